@@ -1,0 +1,503 @@
+"""The experiment config: one typed schema, fed by a YAML file and ``key.sub=value`` overrides.
+
+Every option is a dataclass field with a docstring below it. Loading rejects unknown keys and
+wrong types, and :func:`validate` rejects impossible layouts, each with a :class:`ConfigError`
+that names the exact key and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; ``key`` is the dotted path of the offending option."""
+
+    def __init__(self, key: str, problem: str, fix: str) -> None:
+        self.key, self.problem, self.fix = key, problem, fix
+        super().__init__(f"config error at '{key}': {problem}. Fix: {fix}")
+
+
+@dataclass
+class ModelConfig:
+    """The network: a Llama-family decoder built from megatron-core's GPTModel."""
+
+    preset: str | None = None
+    """Name of a preset in ``models.llama.PRESETS`` (e.g. ``llama3-8b``, ``tiny``). Its values
+    are the defaults; any other key set here overrides them."""
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 128
+    """Model width."""
+    ffn_hidden_size: int = 352
+    """Width of the SwiGLU MLP's inner projection."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: int | None = None
+    """Number of key/value heads for grouped-query attention; None means one per query head."""
+    kv_channels: int | None = None
+    """Per-head dimension; None means hidden_size / num_attention_heads."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model supports; data.seq_length may not exceed it."""
+    vocab_size: int | None = None
+    """Vocabulary size; None takes it from the tokenizer."""
+    vocab_pad_multiple: int = 128
+    """The embedding is padded to a multiple of this (independent of TP, so checkpoints
+    reshard across TP sizes); it must also be divisible by parallel.tensor."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rotary_base: int = 10000
+    """RoPE base (theta)."""
+    rope_scaling: bool = False
+    """Apply Llama-3.1-style RoPE frequency scaling."""
+    rope_scaling_factor: float = 8.0
+    """Llama-3.1 RoPE scaling factor (used when rope_scaling is true)."""
+    tie_embeddings: bool = False
+    """Share the input embedding and output projection weights."""
+    qkv_bias: bool = False
+    """Add a bias to the QKV projection (Qwen2)."""
+    init_method_std: float = 0.02
+    """Std of the normal initialisation; output projections are scaled by 1/sqrt(2*num_layers)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP blocks."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    """Layer implementation: Transformer Engine's fused layers, megatron-core's own layers with
+    PyTorch SDPA attention, or ``auto`` (TE when it imports and CUDA is present)."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and batch are split over ranks. Data parallel size is what remains."""
+
+    tensor: int = 1
+    """Tensor-parallel size (splits each layer's matmuls)."""
+    pipeline: int = 1
+    """Pipeline-parallel size (splits the layers into stages)."""
+    virtual_pipeline: int | None = None
+    """Model chunks per pipeline stage for the interleaved schedule; None or 1 disables it."""
+    sequence_parallel: bool = False
+    """Shard activations outside attention/MLP along the sequence across TP ranks."""
+    context: int = 1
+    """Context-parallel size (Transformer Engine attention only)."""
+    expert: int = 1
+    """Expert-parallel size; only 1 is supported by the dense Llama models here."""
+
+
+@dataclass
+class TokenizerConfig:
+    """The tokenizer, loaded through megatron-core's tokenizer library."""
+
+    type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
+    """Tokenizer library."""
+    path: str | None = None
+    """SentencePiece ``.model`` file, or a Hugging Face tokenizer directory."""
+
+
+@dataclass
+class DataConfig:
+    """Training data: megatron indexed datasets read through megatron-core's GPTDataset."""
+
+    blend: list[Any] = field(default_factory=list)
+    """Dataset prefixes (path without .bin/.idx). Either a list of prefixes (weighted by
+    size) or a flat list ``[weight, prefix, weight, prefix, ...]``."""
+    split: str = "98,2,0"
+    """Train/valid/test split of every prefix, in parts."""
+    seq_length: int = 256
+    """Tokens per training sample."""
+    cache_dir: str | None = None
+    """Where index caches are written; None puts them in ``<run_dir>/data_cache``."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank (0 reads in the training process)."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer the data was preprocessed with."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Adam with megatron's distributed optimizer and OptimizerParamScheduler."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 3e-5
+    """Learning rate at the end of decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (not applied to norms and biases)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clipping threshold; 0 disables clipping."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    decay_style: Literal["cosine", "linear", "WSD", "constant"] = "cosine"
+    """Learning-rate decay after warmup."""
+    wsd_decay_steps: int | None = None
+    """For WSD: steps of the final decay phase (defaults to 10% of training)."""
+    distributed: bool = True
+    """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer)."""
+
+
+@dataclass
+class DDPConfig:
+    """megatron-core DistributedDataParallel settings."""
+
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and reduce gradients in fp32 even when training in bf16."""
+    bucket_size: int | None = None
+    """Gradient bucket size in elements; None lets megatron choose."""
+    overlap_grad_reduce: bool = False
+    """Overlap gradient reduce-scatter with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    steps: int = 100
+    """Optimizer steps to train."""
+    micro_batch_size: int = 1
+    """Sequences per microbatch per data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks (gradient accumulation
+    makes up the difference)."""
+    seed: int = 1234
+    """Seed for weight init, data order and dropout."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute precision; ``auto`` is bf16 on GPU and fp32 on CPU."""
+    eval_interval: int = 50
+    """Run validation every this many steps (and at the end); 0 disables it."""
+    eval_steps: int = 4
+    """Global batches per validation run."""
+
+
+@dataclass
+class LoggingConfig:
+    """Run directory, console log, metrics.jsonl and wandb."""
+
+    run_dir: str = "runs/default"
+    """Directory for the resolved config, metrics.jsonl and data caches."""
+    log_interval: int = 10
+    """Print one line and write one metrics record every this many steps."""
+    wandb: bool = False
+    """Log to Weights & Biases."""
+    wandb_project: str = "megatron-train"
+    """wandb project name."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """``offline`` writes to ``<run_dir>/wandb`` without network; sync later with wandb sync."""
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole experiment."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The network."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training data and tokenizer."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    """Gradient reduction."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Outputs."""
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(key, f"{value!r} is not allowed", f"use one of {list(choices)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {value!r}", "write a YAML list")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        return value
+    raise ConfigError(
+        key,
+        f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}",
+        f"set {key} to a {_type_name(tp)}",
+    )
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types."""
+    key = prefix.rstrip(".") or "<top level>"
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"expected a mapping, got {data!r}", "write key: value pairs")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for name, value in data.items():
+        if name not in names:
+            close = difflib.get_close_matches(str(name), names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {names}"
+            raise ConfigError(f"{prefix}{name}", "unknown key", hint)
+        kwargs[name] = _coerce(value, hints[name], prefix + name)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b=value`` into its key path and YAML-parsed value."""
+    if "=" not in text:
+        raise ConfigError(text, "override is not of the form key.sub=value", "write key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _apply_preset(raw: dict) -> None:
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("preset") is None:
+        return
+    from models.llama import PRESETS
+
+    name = model["preset"]
+    if name not in PRESETS:
+        raise ConfigError("model.preset", f"unknown preset {name!r}", f"use one of {sorted(PRESETS)}")
+    raw["model"] = {**PRESETS[name], **model}
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig:
+    """Read a YAML config, apply ``key.sub=value`` overrides and build the typed config."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError("--config", f"{path} is not valid YAML ({err})", "fix the YAML syntax")
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for depth, part in enumerate(keys[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                dotted = ".".join(keys[: depth + 1])
+                raise ConfigError(dotted, "is not a section", f"override a key inside {dotted}")
+            node = child
+        node[keys[-1]] = value
+    _apply_preset(raw)
+    return from_dict(ExperimentConfig, raw)
+
+
+def to_dict(cfg: ExperimentConfig) -> dict:
+    """The resolved config as plain data (for printing and saving)."""
+    return dataclasses.asdict(cfg)
+
+
+def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:
+    """Ranks left for data parallelism once TP, PP and CP are placed."""
+    return world_size // (cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context)
+
+
+def padded_vocab_size(cfg: ExperimentConfig) -> int:
+    """The embedding's row count: the vocabulary rounded up to ``model.vocab_pad_multiple``."""
+    multiple = cfg.model.vocab_pad_multiple
+    return math.ceil(cfg.model.vocab_size / multiple) * multiple
+
+
+def validate(cfg: ExperimentConfig, world_size: int) -> None:
+    """Reject impossible layouts and inconsistent options before any heavy work."""
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    for key, value in [
+        ("parallel.tensor", p.tensor),
+        ("parallel.pipeline", p.pipeline),
+        ("parallel.context", p.context),
+        ("parallel.expert", p.expert),
+        ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size),
+        ("model.num_attention_heads", m.num_attention_heads),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size),
+        ("train.steps", t.steps),
+        ("data.seq_length", d.seq_length),
+        ("logging.log_interval", t.steps and cfg.logging.log_interval),
+    ]:
+        if value < 1:
+            raise ConfigError(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world_size % model_parallel:
+        raise ConfigError(
+            "parallel.tensor",
+            f"world size {world_size} is not divisible by tensor x pipeline x context = "
+            f"{p.tensor} x {p.pipeline} x {p.context} = {model_parallel}",
+            "launch a multiple of that many ranks or change parallel.tensor/pipeline/context",
+        )
+    if p.expert != 1:
+        raise ConfigError("parallel.expert", "expert parallelism needs an MoE model", "set it to 1")
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.num_attention_heads % p.tensor:
+        raise ConfigError(
+            "model.num_attention_heads",
+            f"{m.num_attention_heads} heads are not divisible by parallel.tensor={p.tensor}",
+            "choose a tensor-parallel size that divides the number of heads",
+        )
+    if m.num_attention_heads % groups:
+        raise ConfigError(
+            "model.num_query_groups",
+            f"{m.num_attention_heads} heads are not divisible into {groups} query groups",
+            "use a number of query groups that divides num_attention_heads",
+        )
+    if groups % p.tensor:
+        raise ConfigError(
+            "model.num_query_groups",
+            f"{groups} query groups are not divisible by parallel.tensor={p.tensor}",
+            "choose a tensor-parallel size that divides the number of query groups",
+        )
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            "model.hidden_size",
+            f"{m.hidden_size} is not divisible by {m.num_attention_heads} heads",
+            "make hidden_size a multiple of num_attention_heads or set model.kv_channels",
+        )
+    vpp = p.virtual_pipeline or 1
+    if p.virtual_pipeline is not None and p.virtual_pipeline < 1:
+        raise ConfigError("parallel.virtual_pipeline", "must be >= 1", "set it to null or >= 1")
+    if vpp > 1 and p.pipeline < 2:
+        raise ConfigError(
+            "parallel.virtual_pipeline",
+            "the interleaved schedule needs parallel.pipeline >= 2",
+            "set parallel.virtual_pipeline to null or raise parallel.pipeline",
+        )
+    if m.num_layers % (p.pipeline * vpp):
+        raise ConfigError(
+            "model.num_layers",
+            f"{m.num_layers} layers are not divisible by pipeline x virtual_pipeline = "
+            f"{p.pipeline} x {vpp}",
+            "use a layer count that is a multiple of pipeline x virtual_pipeline",
+        )
+    if p.sequence_parallel and p.tensor == 1:
+        raise ConfigError(
+            "parallel.sequence_parallel", "needs parallel.tensor > 1", "set it to false or raise TP"
+        )
+    if p.sequence_parallel and d.seq_length % p.tensor:
+        raise ConfigError(
+            "data.seq_length",
+            f"{d.seq_length} is not divisible by parallel.tensor={p.tensor} (sequence parallel)",
+            "use a sequence length that is a multiple of the tensor-parallel size",
+        )
+    if p.context > 1 and m.transformer_impl == "local":
+        raise ConfigError(
+            "parallel.context",
+            "context parallelism needs Transformer Engine attention",
+            "set parallel.context=1 or model.transformer_impl=transformer_engine on GPU",
+        )
+    dp = data_parallel_size(cfg, world_size)
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size = "
+            f"{t.micro_batch_size} x {dp}",
+            f"use a multiple of {t.micro_batch_size * dp}",
+        )
+    if vpp > 1 and (t.global_batch_size // (t.micro_batch_size * dp)) % p.pipeline:
+        raise ConfigError(
+            "train.global_batch_size",
+            "the interleaved schedule needs the number of microbatches to be a multiple of "
+            f"parallel.pipeline={p.pipeline}",
+            "raise train.global_batch_size or lower train.micro_batch_size",
+        )
+    if d.seq_length > m.max_position_embeddings:
+        raise ConfigError(
+            "data.seq_length",
+            f"{d.seq_length} exceeds model.max_position_embeddings={m.max_position_embeddings}",
+            "shorten data.seq_length or raise model.max_position_embeddings",
+        )
+    if m.vocab_pad_multiple % p.tensor:
+        raise ConfigError(
+            "model.vocab_pad_multiple",
+            f"{m.vocab_pad_multiple} is not divisible by parallel.tensor={p.tensor}",
+            "use a multiple of the tensor-parallel size (e.g. 128)",
+        )
+    if cfg.optimizer.warmup_steps >= t.steps:
+        raise ConfigError(
+            "optimizer.warmup_steps",
+            f"{cfg.optimizer.warmup_steps} warmup steps leave no decay within train.steps={t.steps}",
+            "use fewer warmup steps than train.steps",
+        )
+    if not d.blend:
+        raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
+    if d.tokenizer.path is None:
+        raise ConfigError("data.tokenizer.path", "no tokenizer given", "set the tokenizer path")
+    if not Path(d.tokenizer.path).exists():
+        raise ConfigError(
+            "data.tokenizer.path",
+            f"{d.tokenizer.path!r} does not exist",
+            "train one with tools/train_tokenizer.py or point to an existing tokenizer",
+        )
+    for prefix in blend_prefixes(d.blend):
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise ConfigError(
+                    "data.blend",
+                    f"{prefix + suffix} does not exist",
+                    "preprocess the data with tools/preprocess_data.py or fix the prefix",
+                )
+
+
+def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
+    """``[w1, p1, w2, p2]`` or ``[p1, p2]`` -> (prefixes, weights or None)."""
+    if all(isinstance(item, str) for item in blend):
+        return list(blend), None
+    if len(blend) % 2 or not all(
+        isinstance(w, (int, float)) and isinstance(p, str) for w, p in zip(blend[::2], blend[1::2])
+    ):
+        raise ConfigError(
+            "data.blend",
+            f"{blend!r} is neither a list of prefixes nor [weight, prefix, ...] pairs",
+            "write [prefix, ...] or [0.7, prefix_a, 0.3, prefix_b]",
+        )
+    return list(blend[1::2]), [float(w) for w in blend[::2]]
+
+
+def blend_prefixes(blend: list[Any]) -> list[str]:
+    """The dataset prefixes named in a blend."""
+    return parse_blend(blend)[0]

@@ -1,0 +1,78 @@
+"""Training and validation data through megatron-core's BlendedMegatronDatasetBuilder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from megatron_train.config import ExperimentConfig, parse_blend
+
+
+def build_datasets(cfg: ExperimentConfig, tokenizer, cache_dir: str) -> tuple[GPTDataset, GPTDataset | None]:
+    """The blended train and validation datasets, sized for the whole run."""
+    t = cfg.train
+    train_samples = t.steps * t.global_batch_size
+    valid_samples = t.eval_steps * t.global_batch_size if t.eval_interval > 0 else 0
+    dataset_config = GPTDatasetConfig(
+        random_seed=t.seed,
+        sequence_length=cfg.data.seq_length,
+        blend=parse_blend(cfg.data.blend),
+        split=cfg.data.split,
+        path_to_cache=cache_dir,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # Attention is causal by construction (SDPA is_causal / TE's causal mask type).
+        create_attention_mask=False,
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [train_samples, valid_samples, 0], lambda: True, dataset_config
+    ).build()
+    return train, valid
+
+
+class PretrainingSampler:
+    """Micro-batches of sample indices for this data-parallel rank, from ``consumed_samples`` on.
+
+    Global batch ``g`` is samples ``[g*GBS, (g+1)*GBS)`` whatever the layout, so any DP size
+    sees the same data per step and a resumed run continues from the exact next sample.
+    """
+
+    def __init__(self, total: int, consumed: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.total, self.consumed = total, consumed
+        self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        stride = self.micro_batch_size * self.dp_size
+        for start in range(self.consumed, self.total - stride + 1, stride):
+            first = start + self.dp_rank * self.micro_batch_size
+            yield list(range(first, first + self.micro_batch_size))
+
+    def __len__(self) -> int:
+        return (self.total - self.consumed) // (self.micro_batch_size * self.dp_size)
+
+
+def batch_iterator(
+    dataset: GPTDataset, consumed_samples: int, cfg: ExperimentConfig, num_samples: int | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """An iterator of micro-batches for this rank, starting after ``consumed_samples``."""
+    sampler = PretrainingSampler(
+        total=num_samples or len(dataset),
+        consumed=consumed_samples,
+        micro_batch_size=cfg.train.micro_batch_size,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+    )
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.data.num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=cfg.data.num_workers > 0,
+    )
+    return iter(loader)

@@ -1,0 +1,63 @@
+"""Weight initialisation that does not depend on the parallel layout.
+
+Each global tensor (as megatron's sharded state dict names it) is drawn from a generator seeded
+by its name, layer and the run seed; every rank then keeps its own slice. A model therefore
+starts from the same weights at any TP / PP / VPP / DP, which makes runs comparable across
+layouts and lets a job change layout without changing its initial point.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+_SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def _init_global(key: str, shape: tuple[int, ...], std: float, num_layers: int, gen) -> torch.Tensor:
+    name = key.rsplit(".", 1)[-1]
+    if "norm" in key and name.endswith("weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if key.endswith(_SCALED_OUTPUTS):
+        std = std / math.sqrt(2.0 * num_layers)
+    return torch.empty(shape, device=gen.device).normal_(0.0, std, generator=gen)
+
+
+def _shards(sharded_state_dict: dict) -> list[ShardedTensor]:
+    shards = []
+    for item in nested_values(sharded_state_dict):
+        if isinstance(item, ShardedTensorFactory):
+            shards.extend(s for s in nested_values(item.build()) if isinstance(s, ShardedTensor))
+        elif isinstance(item, ShardedTensor):
+            shards.append(item)
+    return shards
+
+
+@torch.no_grad()
+def initialize_weights(
+    model_chunks: list[torch.nn.Module], seed: int, std: float, num_layers: int
+) -> None:
+    """Fill every parameter of the (unwrapped) model chunks with its layout-independent value."""
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    for chunk in model_chunks:
+        for shard in _shards(chunk.sharded_state_dict(metadata=metadata)):
+            if shard.data is None or not shard.data.is_floating_point():
+                continue
+            pre = shard.prepend_axis_num
+            layer_index = shard.global_offset[:pre]
+            device = shard.data.device
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed ^ zlib.crc32(f"{shard.key}|{layer_index}".encode()))
+            full = _init_global(shard.key, shard.global_shape[pre:], std, num_layers, gen)
+            index = tuple(
+                slice(offset, offset + size)
+                for offset, size in zip(shard.global_offset[pre:], shard.local_shape)
+            )
+            shard.data.copy_(full[index].to(device=device, dtype=shard.data.dtype))

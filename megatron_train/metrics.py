@@ -1,0 +1,132 @@
+"""What the run reports: one console line, one metrics.jsonl record and wandb per interval."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_train.config import ExperimentConfig, padded_vocab_size, to_dict
+
+# Dense bf16 peak per GPU (TFLOP/s), for MFU; matched against torch.cuda.get_device_name().
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+
+
+def flops_per_token(cfg: ExperimentConfig) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward matmuls, full attention)."""
+    m, s = cfg.model, cfg.data.seq_length
+    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+    q_dim = head_dim * m.num_attention_heads
+    kv_dim = head_dim * (m.num_query_groups or m.num_attention_heads)
+    per_layer = (
+        2 * m.hidden_size * (q_dim + 2 * kv_dim)  # QKV projection
+        + 2 * q_dim * m.hidden_size  # output projection
+        + 2 * 3 * m.hidden_size * m.ffn_hidden_size  # SwiGLU: gate, up, down
+        + 2 * 2 * s * q_dim  # scores and weighted values
+    )
+    logits = 2 * m.hidden_size * padded_vocab_size(cfg)
+    return 3.0 * (m.num_layers * per_layer + logits)
+
+
+def peak_tflops() -> float | None:
+    """The GPU's dense bf16 peak, or None when unknown or on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in _PEAK_TFLOPS.items() if k in name), None)
+
+
+def peak_memory_gib() -> float:
+    """Peak allocated GPU memory, or this process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    """Writes metrics on the main rank; other ranks hold a no-op instance."""
+
+    def __init__(self, cfg: ExperimentConfig, run_dir: Path, enabled: bool, world_size: int) -> None:
+        self.enabled, self.world_size, self.total_steps = enabled, world_size, cfg.train.steps
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_length
+        self.flops_per_step = flops_per_token(cfg) * self.tokens_per_step
+        self.peak = peak_tflops()
+        self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._wandb = None
+        if enabled and cfg.logging.wandb:
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                dir=str(run_dir),
+                mode=cfg.logging.wandb_mode,
+                config=to_dict(cfg),
+            )
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
+                  skipped: int) -> None:  # fmt: skip
+        """One interval's line; ``step_time`` is the mean seconds per step over the interval."""
+        if not self.enabled:
+            return
+        tokens_per_s = self.tokens_per_step / step_time
+        tflops = self.flops_per_step / step_time / self.world_size / 1e12
+        record = {
+            "step": step,
+            "consumed_tokens": step * self.tokens_per_step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "peak_mem_gib": peak_memory_gib(),
+            "skipped_steps": skipped,
+        }
+        mfu = f" | MFU {100 * tflops / self.peak:.1f}%" if self.peak else ""
+        if self.peak:
+            record["mfu"] = tflops / self.peak
+        eta = _duration((self.total_steps - step) * step_time)
+        print(
+            f"step {step}/{self.total_steps} | tokens {record['consumed_tokens']:,} | loss {loss:.4f}"
+            f" | lr {lr:.3e} | grad norm {grad_norm:.3f} | {step_time * 1000:.0f} ms/step"
+            f" | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev{mfu}"
+            f" | mem {record['peak_mem_gib']:.2f} GiB | ETA {eta}",
+            flush=True,
+        )
+        self._write(record)
+
+    def log_validation(self, step: int, val_loss: float) -> None:
+        """A validation result."""
+        if not self.enabled:
+            return
+        ppl = math.exp(min(val_loss, 50.0))
+        print(f"validation at step {step} | val loss {val_loss:.4f} | val ppl {ppl:.2f}", flush=True)
+        self._write({"step": step, "val_loss": val_loss})
+
+    def info(self, message: str) -> None:
+        """A plain message from the main rank."""
+        if self.enabled:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        """Flush and close outputs."""
+        if self._file:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        sys.stdout.flush()

@@ -1,0 +1,50 @@
+"""megatron-core's (distributed) Adam and OptimizerParamScheduler from the experiment config."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_train.config import ExperimentConfig
+
+
+def build_optimizer(
+    cfg: ExperimentConfig, model_chunks: list, dtype: torch.dtype
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """Adam over the model chunks and its LR / weight-decay schedule (stepped in samples)."""
+    o, t = cfg.optimizer, cfg.train
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=o.distributed,
+        ),
+        model_chunks,
+    )
+    gbs = t.global_batch_size
+    wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, t.steps // 10)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps * gbs,
+        lr_decay_steps=t.steps * gbs,
+        lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=t.steps * gbs,
+        wd_incr_style="constant",
+        wsd_decay_steps=wsd_steps * gbs if o.decay_style == "WSD" else None,
+        lr_wsd_decay_style="linear" if o.decay_style == "WSD" else None,
+    )
+    return optimizer, scheduler

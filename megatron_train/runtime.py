@@ -1,0 +1,123 @@
+"""Process groups, device and seeds: everything set up once per process before the model."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_train import cpu_compat
+from megatron_train.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, read from torchrun or Slurm variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch_env() -> LaunchEnv:
+    """This process's rank from torchrun (RANK...) or srun (SLURM_PROCID...); else one process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+        )
+    return LaunchEnv(0, 1, 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The initialised process: its rank, device, compute dtype and parallel coordinates."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 prints and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def is_last_stage_logger(self) -> bool:
+        """The rank that sees the loss: last pipeline stage, first TP and DP rank."""
+        return (
+            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0
+        )
+
+
+def compute_dtype(cfg: ExperimentConfig) -> torch.dtype:
+    """bf16 on GPU and fp32 on CPU unless the config says otherwise."""
+    if cfg.train.precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+
+
+def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
+    """Join the process group, build megatron's parallel groups and seed every RNG."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        device, backend = torch.device("cuda", env.local_rank), "nccl"
+    else:
+        cpu_compat.enable()
+        device, backend = torch.device("cpu"), "gloo"
+    if env.world_size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(
+        backend=backend,
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(minutes=int(os.environ.get("MEGATRON_TRAIN_DIST_TIMEOUT_MIN", 10))),
+    )
+    p = cfg.parallel
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline if (p.virtual_pipeline or 1) > 1 else None,
+        context_parallel_size=p.context,
+        expert_model_parallel_size=p.expert,
+    )
+    seed_everything(cfg.train.seed)
+    return Runtime(env.rank, env.world_size, device, compute_dtype(cfg))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch, and megatron's model-parallel RNG tracker.
+
+    Pipeline stages get distinct streams (as in Megatron-LM) so their dropout masks differ.
+    """
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def shutdown() -> None:
+    """Tear down megatron's groups and the process group."""
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

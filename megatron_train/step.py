@@ -1,0 +1,111 @@
+"""One optimizer step and one validation pass through megatron-core's pipeline schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Token-summed loss; megatron divides gradients by the global token count
+    (``calculate_per_token_loss``), so the result does not depend on how the batch is split."""
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(output_tensor.view(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum().detach()])}
+
+
+def forward_step(device: torch.device, data_iterator: Iterator, model):
+    """megatron's forward_step_func: run one micro-batch, return output and its loss function."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    output = model(tokens, position_ids, attention_mask=None, labels=labels)
+    return output, partial(_loss_func, loss_mask)
+
+
+def _global_mean_loss(losses_reduced: list[dict], device: torch.device) -> float:
+    """Mean token loss over the global batch, known on every rank.
+
+    Only the last pipeline stage computes it: sum over micro-batches and data-parallel ranks,
+    then broadcast along the pipeline so every rank can log and stop consistently.
+    """
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for item in losses_reduced:
+            totals += item["lm loss"].to(torch.float64)
+        torch.distributed.all_reduce(
+            totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
+    torch.distributed.broadcast(
+        totals,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    skipped: bool
+
+
+class Stepper:
+    """Runs training steps and validation passes for a fixed model, optimizer and shape."""
+
+    def __init__(self, model, optimizer, scheduler, config, num_microbatches: int, seq_length: int,
+                 micro_batch_size: int, global_batch_size: int, device: torch.device) -> None:  # fmt: skip
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.num_microbatches, self.seq_length = num_microbatches, seq_length
+        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
+        self.device = device
+        self._schedule = get_forward_backward_func()
+        self._forward_step = partial(forward_step, device)
+
+    def _run_schedule(self, data_iterators: list[Iterator], forward_only: bool, num_microbatches: int):
+        return self._schedule(
+            forward_step_func=self._forward_step,
+            data_iterator=data_iterators if len(self.model) > 1 else data_iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=num_microbatches,
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self, data_iterators: list[Iterator]) -> StepResult:
+        """Forward and backward over every micro-batch, then one optimizer and LR step."""
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(data_iterators, False, self.num_microbatches)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=self.global_batch_size)
+        return StepResult(
+            loss=_global_mean_loss(losses, self.device),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=self.optimizer.param_groups[0]["lr"],
+            skipped=not update_successful,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, data_iterators: list[Iterator], num_batches: int) -> float:
+        """Mean token loss over ``num_batches`` global batches, without gradients."""
+        for chunk in self.model:
+            chunk.eval()
+        losses = self._run_schedule(data_iterators, True, self.num_microbatches * num_batches)
+        return _global_mean_loss(losses, self.device)

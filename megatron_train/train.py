@@ -1,0 +1,165 @@
+"""Pretrain a model: ``torchrun --nproc-per-node N -m megatron_train.train --config X.yaml [k=v ...]``.
+
+Exit codes: 0 done, 1 training failed (e.g. a NaN loss), 2 bad config or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import yaml
+
+from megatron_train import runtime
+from megatron_train.config import ConfigError, ExperimentConfig, load_config, to_dict, validate
+
+EXIT_TRAINING_FAILED = 1
+EXIT_BAD_CONFIG = 2
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm stopped being finite."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML experiment config")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
+    return parser.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace, world_size: int) -> ExperimentConfig:
+    """Load, complete (vocab size from the tokenizer) and validate the config."""
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg, world_size)
+    from megatron_train.tokenizer import load_tokenizer
+
+    vocab = load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path).vocab_size
+    if cfg.model.vocab_size is None:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    elif cfg.model.vocab_size < vocab:
+        raise ConfigError(
+            "model.vocab_size",
+            f"{cfg.model.vocab_size} is smaller than the tokenizer's {vocab} tokens",
+            "remove model.vocab_size to take it from the tokenizer",
+        )
+    return cfg
+
+
+def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
+    """Build everything and run the loop; returns the run directory."""
+    from megatron.core import parallel_state
+
+    from megatron_train.data import batch_iterator, build_datasets
+    from megatron_train.metrics import MetricsLogger
+    from megatron_train.model import build_model
+    from megatron_train.optim import build_optimizer
+    from megatron_train.step import Stepper
+    from megatron_train.tokenizer import load_tokenizer
+
+    run_dir = Path(cfg.logging.run_dir)
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    log = MetricsLogger(cfg, run_dir, rt.is_main, rt.world_size)
+    log.info("resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    model, tconfig = build_model(cfg, rt)
+    optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
+    _wire_schedule_hooks(cfg, model, tconfig, optimizer)
+    dp = parallel_state.get_data_parallel_world_size()
+    num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    log.info(
+        f"layout TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} "
+        f"VPP={cfg.parallel.virtual_pipeline or 1} DP={dp} on {rt.world_size} {rt.device.type} "
+        f"ranks | {num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
+        f"{'Transformer Engine' if cfg.model.transformer_impl == 'transformer_engine' else 'local'} "
+        f"layers, {str(rt.dtype).removeprefix('torch.')}"
+    )
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
+    cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
+    train_ds, valid_ds = build_datasets(cfg, tokenizer, cache_dir)
+    chunks = len(model)
+    consumed = 0
+    train_iters = [batch_iterator(train_ds, consumed, cfg) for _ in range(chunks)]
+    stepper = Stepper(
+        model, optimizer, scheduler, tconfig, num_microbatches, cfg.data.seq_length,
+        cfg.train.micro_batch_size, cfg.train.global_batch_size, rt.device,
+    )  # fmt: skip
+
+    def validate_now(step: int) -> None:
+        if valid_ds is None:
+            return
+        n = cfg.train.eval_steps * cfg.train.global_batch_size
+        iters = [batch_iterator(valid_ds, 0, cfg, num_samples=n) for _ in range(chunks)]
+        log.log_validation(step, stepper.evaluate(iters, cfg.train.eval_steps))
+
+    interval_start, interval_steps, skipped = time.perf_counter(), 0, 0
+    for step in range(1, cfg.train.steps + 1):
+        result = stepper.train_step(train_iters)
+        if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+            raise TrainingDiverged(
+                f"step {step}: loss {result.loss} / grad norm {result.grad_norm} is not finite. "
+                "Lower optimizer.lr, raise optimizer.warmup_steps or check the data."
+            )
+        interval_steps += 1
+        skipped += result.skipped
+        if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
+            elapsed = time.perf_counter() - interval_start
+            log.log_train(step, result.loss, result.lr, result.grad_norm, elapsed / interval_steps, skipped)
+            interval_start, interval_steps = time.perf_counter(), 0
+        if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
+            validate_now(step)
+            interval_start = time.perf_counter()
+    log.close()
+    return run_dir
+
+
+def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, tconfig, optimizer) -> None:
+    """Give megatron's schedules the grad-sync hooks of our DDP chunks and the optimizer."""
+    from megatron.core.distributed import finalize_model_grads
+
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in model]
+    tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if cfg.ddp.overlap_grad_reduce:
+        sync = [chunk.start_grad_sync for chunk in model]
+        tconfig.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    if cfg.ddp.overlap_param_gather and cfg.optimizer.distributed:
+        sync = [chunk.start_param_sync for chunk in model]
+        tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = runtime.launch_env()
+    try:
+        cfg = resolve_config(args, env.world_size)
+    except ConfigError as err:
+        if env.rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    warnings.filterwarnings("ignore", module="megatron")
+    rt = runtime.initialize(cfg, env)
+    try:
+        run_dir = train(cfg, rt)
+    except TrainingDiverged as err:
+        print(f"error on rank {rt.rank}: {err}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    finally:
+        runtime.shutdown()
+    if rt.is_main:
+        print(f"done. run directory: {run_dir.resolve()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Model families built from megatron-core specs."""

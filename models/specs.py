@@ -1,0 +1,165 @@
+"""Layer specs for Llama-family decoders.
+
+Two implementations of the same layer, with interchangeable checkpoints:
+Transformer Engine's fused layers (megatron-core's own TE spec) on CUDA, and megatron-core's
+parallel linears with an RMSNorm that supports sequence parallelism and PyTorch's fused
+``scaled_dot_product_attention`` everywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.utils import divide
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports and a GPU is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """PyTorch RMSNorm that works with sequence parallelism.
+
+    megatron's WrappedTorchNorm refuses sequence parallelism only because nothing marks its
+    weight: with the sequence sharded over TP ranks each rank sees a different slice of tokens,
+    so the weight's gradient must be summed over TP. Tagging the parameter ``sequence_parallel``
+    is how megatron's ``finalize_model_grads`` knows to do that.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+class SDPAttention(MegatronModule):
+    """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    A drop-in for megatron's DotProductAttention (same constructor and forward signature) that
+    dispatches to flash / memory-efficient kernels instead of materialising the score matrix.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism needs Transformer Engine attention")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"SDPAttention supports causal masks only, got {attn_mask_type}")
+        head_dim = config.kv_channels
+        self.hidden_size_per_partition = divide(
+            head_dim * config.num_attention_heads, config.tensor_model_parallel_size
+        )
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("packed sequences and attention bias need Transformer Engine")
+        # megatron passes [seq, batch, heads, dim]; SDPA wants [batch, heads, seq, dim].
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        dropout_p = self.dropout_p if self.training else 0.0
+        kwargs = dict(is_causal=True, scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            # Heads differ per TP rank, so their dropout masks come from the model-parallel RNG.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
+        seq, batch = query.size(0), query.size(1)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
+
+
+def local_layer_spec() -> ModuleSpec:
+    """A Llama layer from megatron-core parallel linears, RMSNorm and SDPA attention."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=SDPAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+            # Store norms under TE's fused names so checkpoints move between the two specs.
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def decoder_block_spec(
+    config: TransformerConfig, use_transformer_engine: bool, vp_stage: int | None
+) -> ModuleSpec:
+    """The decoder block for this pipeline stage (and virtual stage)."""
+    if use_transformer_engine:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer, final_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
+    else:
+        layer, final_norm = local_layer_spec(), RMSNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm),
+    )
