@@ -255,6 +255,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return from_dict(tp, value, key + ".")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads exponent forms without a dot (``3e-4``) as strings.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
         return value
     raise ConfigError(
@@ -313,7 +319,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
-        raise ConfigError("--config", f"{path} is not valid YAML ({err})", "fix the YAML syntax")
+        raise ConfigError("--config", f"{path} is not valid YAML ({err})", "fix the YAML syntax") from err
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
@@ -410,8 +416,7 @@ def validate(cfg: ExperimentConfig, world_size: int) -> None:
     if m.num_layers % (p.pipeline * vpp):
         raise ConfigError(
             "model.num_layers",
-            f"{m.num_layers} layers are not divisible by pipeline x virtual_pipeline = "
-            f"{p.pipeline} x {vpp}",
+            f"{m.num_layers} layers are not divisible by pipeline x virtual_pipeline = {p.pipeline} x {vpp}",
             "use a layer count that is a multiple of pipeline x virtual_pipeline",
         )
     if p.sequence_parallel and p.tensor == 1:

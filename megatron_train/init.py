@@ -41,9 +41,7 @@ def _shards(sharded_state_dict: dict) -> list[ShardedTensor]:
 
 
 @torch.no_grad()
-def initialize_weights(
-    model_chunks: list[torch.nn.Module], seed: int, std: float, num_layers: int
-) -> None:
+def initialize_weights(model_chunks: list[torch.nn.Module], seed: int, std: float, num_layers: int) -> None:
     """Fill every parameter of the (unwrapped) model chunks with its layout-independent value."""
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     for chunk in model_chunks:

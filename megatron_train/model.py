@@ -25,7 +25,9 @@ def use_transformer_engine(cfg: ExperimentConfig) -> bool:
     return impl == "transformer_engine"
 
 
-def build_model(cfg: ExperimentConfig, rt: Runtime) -> tuple[list[DistributedDataParallel], TransformerConfig]:
+def build_model(
+    cfg: ExperimentConfig, rt: Runtime
+) -> tuple[list[DistributedDataParallel], TransformerConfig]:
     """Build, initialise and DDP-wrap this rank's model chunks."""
     te = use_transformer_engine(cfg)
     config = transformer_config(cfg, rt.dtype, te)

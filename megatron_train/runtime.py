@@ -32,9 +32,7 @@ def launch_env() -> LaunchEnv:
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return LaunchEnv(
-            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-        )
+        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
     return LaunchEnv(0, 1, 0)
 
 

@@ -134,9 +134,7 @@ def local_layer_spec() -> ModuleSpec:
             pre_mlp_layernorm=RMSNorm,
             mlp=ModuleSpec(
                 module=MLP,
-                submodules=MLPSubmodules(
-                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
-                ),
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
             # Store norms under TE's fused names so checkpoints move between the two specs.

@@ -1,0 +1,16 @@
+# NGC PyTorch ships CUDA, NCCL, Transformer Engine and apex, matched to each other.
+FROM nvcr.io/nvidia/pytorch:25.04-py3
+
+WORKDIR /opt/megatron-train
+COPY pyproject.toml README.md ./
+COPY megatron_train ./megatron_train
+COPY models ./models
+# The base image's torch and TE are kept: install only what it lacks.
+RUN pip install --no-cache-dir "megatron-core>=0.16.1" sentencepiece datasets transformers wandb psutil pyyaml tqdm \
+    && pip install --no-cache-dir --no-deps -e .
+COPY configs ./configs
+COPY launch ./launch
+COPY tools ./tools
+
+ENV PYTHONUNBUFFERED=1 \
+    CUDA_DEVICE_MAX_CONNECTIONS=1

@@ -1,0 +1,39 @@
+# `make demo` and `make test` each work on a fresh clone: they create .venv, install the CPU
+# build of torch when no GPU is present, install the project, then run.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_CPU_VERSION := 2.13.0
+# Use the local CPU wheel cache when the machine has one, otherwise PyTorch's CPU index.
+TORCH_CPU_SOURCE := $(if $(wildcard /opt/wheels/torch-$(TORCH_CPU_VERSION)+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
+
+.PHONY: install demo test lint format bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	if ! nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/pip install -q "torch==$(TORCH_CPU_VERSION)" $(TORCH_CPU_SOURCE); fi
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+demo: install
+	PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Single-node launch: launch/local.sh [NPROC] --config configs/X.yaml [key=value ...]
+# NPROC defaults to the number of GPUs; on a CPU-only machine pass the rank count you want.
+set -euo pipefail
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$1; shift
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then NPROC=$(nvidia-smi -L | wc -l)
+else echo "launch/local.sh: no GPU found; give the number of CPU ranks as the first argument" >&2; exit 2
+fi
+# One thread per rank: ranks already fill the cores, and oversubscription slows gloo collectives.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec torchrun --standalone --nproc-per-node "$NPROC" -m megatron_train.train "$@"

@@ -1,0 +1,64 @@
+"""Shared fixtures: a small real corpus (stdlib source), its tokenizer and indexed dataset."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_tool(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a repo script or module with this interpreter, from the repo root."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=check
+    )
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> dict[str, Path]:
+    """200 stdlib files -> jsonl -> SentencePiece (1024) -> indexed dataset."""
+    d = tmp_path_factory.mktemp("corpus")
+    run_tool("tools/stdlib_corpus.py", "--output", str(d / "stdlib.jsonl"), "--max-files", "200")
+    run_tool(
+        "tools/train_tokenizer.py", "--input", str(d / "stdlib.jsonl"), "--output-prefix", str(d / "spm"),
+        "--vocab-size", "1024", "--max-sentences", "4000",
+    )  # fmt: skip
+    run_tool(
+        "tools/preprocess_data.py", "--input", str(d / "stdlib.jsonl"), "--output-prefix", str(d / "stdlib"),
+        "--tokenizer", str(d / "spm.model"), "--workers", "2",
+    )  # fmt: skip
+    return {"jsonl": d / "stdlib.jsonl", "tokenizer": d / "spm.model", "prefix": d / "stdlib"}
+
+
+def write_config(path: Path, corpus: dict[str, Path], run_dir: Path, **sections) -> Path:
+    """A small training config over the test corpus; ``sections`` update its sections."""
+    cfg = {
+        "model": {"preset": "tiny", "max_position_embeddings": 128},
+        "data": {
+            "blend": [str(corpus["prefix"])],
+            "split": "90,10,0",
+            "seq_length": 64,
+            "num_workers": 0,
+            "tokenizer": {"type": "sentencepiece", "path": str(corpus["tokenizer"])},
+        },
+        "optimizer": {"lr": 1e-3, "warmup_steps": 2},
+        "train": {
+            "steps": 6,
+            "micro_batch_size": 2,
+            "global_batch_size": 8,
+            "eval_interval": 3,
+            "eval_steps": 1,
+        },
+        "logging": {"run_dir": str(run_dir), "log_interval": 1},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(cfg))
+    return path

@@ -1,0 +1,75 @@
+"""Bad configs fail fast with one message naming the key and a fix, and exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_train.config import ConfigError, load_config, validate
+from megatron_train.train import main
+from tests.conftest import run_tool, write_config
+
+
+@pytest.fixture
+def good_config(tmp_path, corpus):
+    return write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+
+
+def test_good_config_loads_and_validates(good_config):
+    cfg = load_config(good_config, ["parallel.tensor=2", "optimizer.lr=2e-4"])
+    validate(cfg, world_size=4)
+    assert cfg.parallel.tensor == 2 and cfg.optimizer.lr == 2e-4
+    assert cfg.model.num_layers == 4, "preset values fill unset keys"
+
+
+BAD_INPUTS = [
+    # (overrides, world size, key named in the error)
+    (["model.num_layer=3"], 1, "model.num_layer"),
+    (["train.steps=ten"], 1, "train.steps"),
+    (["parallel.tensor=3"], 8, "parallel.tensor"),
+    (
+        ["parallel.tensor=8", "model.num_query_groups=8", "model.num_attention_heads=12"],
+        8,
+        "model.num_attention_heads",
+    ),
+    (["parallel.pipeline=3"], 3, "model.num_layers"),
+    (["parallel.pipeline=2", "parallel.virtual_pipeline=4"], 2, "model.num_layers"),
+    (["train.global_batch_size=6"], 4, "train.global_batch_size"),
+    (["data.seq_length=512"], 1, "data.seq_length"),
+    (["data.blend=[/nonexistent/prefix]"], 1, "data.blend"),
+    (["data.tokenizer.path=/nonexistent/spm.model"], 1, "data.tokenizer.path"),
+    (["model.transformer_impl=fast"], 1, "model.transformer_impl"),
+    (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),
+    (["optimizer.warmup_steps=100"], 1, "optimizer.warmup_steps"),
+    (["model.preset=llama9"], 1, "model.preset"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "key"), BAD_INPUTS, ids=[b[2] + str(i) for i, b in enumerate(BAD_INPUTS)]
+)
+def test_bad_config_names_key_and_exits_2(good_config, monkeypatch, capsys, overrides, world_size, key):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    assert main(["--config", str(good_config), *overrides]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"'{key}'" in err and "Fix:" in err, err
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "'--config'" in capsys.readouterr().err
+
+
+def test_unknown_key_suggests_the_close_one(good_config):
+    with pytest.raises(ConfigError) as info:
+        load_config(good_config, ["optimizer.warmup_step=3"])
+    assert info.value.key == "optimizer.warmup_step" and "optimizer.warmup_steps" in info.value.fix
+
+
+def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
+    result = run_tool(
+        "-m", "megatron_train.train", "--config", str(good_config), "parallel.tensor=3", check=False
+    )
+    assert result.returncode == 2
+    assert "parallel.tensor" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,58 @@
+"""The CPU-compatibility layer, checked in a fresh interpreter (it patches torch globally)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from tests.conftest import run_tool
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megatron_train import cpu_compat
+    cpu_compat.enable(); cpu_compat.enable()  # idempotent
+    assert cpu_compat.is_enabled()
+
+    # Device redirection: "cuda", torch.device("cuda") and ordinals all land on the CPU.
+    assert torch.empty(3, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.ones(2, device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.ones(2).to("cuda").device.type == "cpu"
+    t = torch.ones(2)
+    assert t.cuda() is t
+
+    # The distributed optimizer's dtype check; explicit conversions still work.
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(1).type(torch.float64).dtype == torch.float64
+
+    # Streams and events are no-ops that megatron can call.
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        pass
+    e = torch.cuda.Event(); e.record(); e.wait(); torch.cuda.synchronize()
+
+    # "CUDA" RNG state is the CPU generator's, so megatron's RNG tracker forks real randomness.
+    state = torch.cuda.get_rng_state()
+    a = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(a, torch.rand(4))
+
+    from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0)
+    before = torch.get_rng_state()
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        inside = torch.rand(4)
+    assert torch.equal(before, torch.get_rng_state()), "fork restores the default stream"
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        again = torch.rand(4)
+    assert not torch.equal(inside, again), "the tracked stream advances"
+    print("OK")
+    """
+)
+
+
+def test_cpu_compat_adaptations():
+    result = run_tool("-c", SCRIPT, check=False)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]

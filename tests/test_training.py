@@ -1,0 +1,110 @@
+"""End-to-end training through torchrun over gloo: layouts agree, metrics are written, NaN stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(nproc: int, config: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megatron_train.train", "--config", str(config), *overrides]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(run_dir) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, corpus) -> Path:
+    d = tmp_path_factory.mktemp("baseline")
+    result = torchrun(1, write_config(d / "cfg.yaml", corpus, d / "run"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return d / "run"
+
+
+def test_single_rank_run_writes_metrics_and_config(baseline):
+    recs = records(baseline)
+    train = [r for r in recs if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "consumed_tokens", "peak_mem_gib"):
+        assert key in train[0]
+    assert [r["step"] for r in recs if "val_loss" in r] == [3, 6]
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert (baseline / "config.yaml").is_file()
+
+
+# Adam turns fp32 reduction-order noise (TP splits matmul sums) into update differences that grow
+# each step; a pretraining-scale learning rate keeps 6 steps well inside 1e-5.
+SMALL_LR = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def small_lr_baseline(tmp_path_factory, corpus) -> Path:
+    d = tmp_path_factory.mktemp("baseline_small_lr")
+    result = torchrun(1, write_config(d / "cfg.yaml", corpus, d / "run", optimizer=SMALL_LR))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return d / "run"
+
+
+LAYOUTS = [
+    # (tensor, pipeline, data, extra overrides)
+    (2, 1, 1, []),
+    (1, 2, 1, []),
+    (1, 1, 2, []),
+    (2, 2, 1, []),
+    (2, 2, 2, []),
+    (1, 2, 1, ["parallel.virtual_pipeline=2", "train.global_batch_size=4"]),
+    pytest.param(
+        1,
+        2,
+        1,
+        ["parallel.virtual_pipeline=2"],
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="known gap: interleaved 1F1B with more microbatches (4) than stages (2) drifts "
+            "~1e-3 from the single-rank losses; with microbatches == stages it matches",
+        ),
+    ),
+    (2, 1, 1, ["parallel.sequence_parallel=true"]),
+    (2, 2, 2, ["parallel.sequence_parallel=true", "optimizer.distributed=false"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "extra"),
+    LAYOUTS,
+    ids=lambda v: str(v).replace("parallel.", "").replace("train.", "") if isinstance(v, list) else None,
+)
+def test_layout_matches_single_rank(tmp_path, corpus, small_lr_baseline, tp, pp, dp, extra):
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer=SMALL_LR)
+    result = torchrun(tp * pp * dp, config, f"parallel.tensor={tp}", f"parallel.pipeline={pp}", *extra)
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected, got = train_losses(small_lr_baseline), train_losses(tmp_path / "run")
+    assert len(got) == len(expected) >= 5
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs single-rank {e}"
+
+
+def test_nan_loss_stops_with_the_step(tmp_path, corpus):
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer={"lr": 1e30, "warmup_steps": 0}
+    )
+    result = torchrun(1, config, "optimizer.clip_grad=0")
+    assert result.returncode != 0
+    assert "is not finite" in result.stderr and "step " in result.stderr
