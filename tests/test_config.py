@@ -6,7 +6,7 @@ import pytest
 
 from megatron_train.config import ConfigError, load_config, validate
 from megatron_train.train import main
-from tests.conftest import run_tool, write_config
+from tests.conftest import ROOT, run_tool, write_config
 
 
 @pytest.fixture
@@ -73,3 +73,9 @@ def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
     )
     assert result.returncode == 2
     assert "parallel.tensor" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    cfg = load_config(path)
+    assert cfg.model.num_layers % (cfg.parallel.pipeline * (cfg.parallel.virtual_pipeline or 1)) == 0

@@ -69,7 +69,6 @@ LAYOUTS = [
     (1, 1, 2, []),
     (2, 2, 1, []),
     (2, 2, 2, []),
-    (1, 2, 1, ["parallel.virtual_pipeline=2", "train.global_batch_size=4"]),
     pytest.param(
         1,
         2,
@@ -98,6 +97,21 @@ def test_layout_matches_single_rank(tmp_path, corpus, small_lr_baseline, tp, pp,
     expected, got = train_losses(small_lr_baseline), train_losses(tmp_path / "run")
     assert len(got) == len(expected) >= 5
     for step, (e, g) in enumerate(zip(expected, got), start=1):
+        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs single-rank {e}"
+
+
+def test_vpp_matches_single_rank_when_microbatches_equal_stages(tmp_path, corpus):
+    losses = {}
+    for name, nproc, overrides in [
+        ("single", 1, []),
+        ("vpp", 2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2"]),
+    ]:
+        config = write_config(tmp_path / f"{name}.yaml", corpus, tmp_path / name, optimizer=SMALL_LR)
+        result = torchrun(nproc, config, "train.global_batch_size=4", *overrides)
+        assert result.returncode == 0, result.stderr[-4000:]
+        losses[name] = train_losses(tmp_path / name)
+    assert len(losses["vpp"]) == len(losses["single"]) >= 5
+    for step, (e, g) in enumerate(zip(losses["single"], losses["vpp"]), start=1):
         assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs single-rank {e}"
 
 
