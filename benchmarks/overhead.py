@@ -55,7 +55,7 @@ def _ours(cfg, rt, steps: int) -> list[float]:
     iters = [batch_iterator(train_ds, 0, cfg) for _ in model]
     dp = parallel_state.get_data_parallel_world_size()
     t = cfg.train
-    stepper = Stepper(model, optimizer, scheduler, tconfig, t.global_batch_size // (t.micro_batch_size * dp),
+    stepper = Stepper(model, optimizer, scheduler, t.global_batch_size // (t.micro_batch_size * dp),
                       cfg.data.seq_length, t.micro_batch_size, t.global_batch_size, rt.device)  # fmt: skip
     return _time_steps(lambda: stepper.train_step(iters), steps)
 

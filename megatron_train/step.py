@@ -65,7 +65,7 @@ class StepResult:
 class Stepper:
     """Runs training steps and validation passes for a fixed model, optimizer and shape."""
 
-    def __init__(self, model, optimizer, scheduler, config, num_microbatches: int, seq_length: int,
+    def __init__(self, model, optimizer, scheduler, num_microbatches: int, seq_length: int,
                  micro_batch_size: int, global_batch_size: int, device: torch.device) -> None:  # fmt: skip
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.num_microbatches, self.seq_length = num_microbatches, seq_length

@@ -57,7 +57,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
 
     from megatron_train.data import batch_iterator, build_datasets
     from megatron_train.metrics import MetricsLogger
-    from megatron_train.model import build_model
+    from megatron_train.model import build_model, use_transformer_engine
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
     from megatron_train.tokenizer import load_tokenizer
@@ -79,7 +79,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
         f"layout TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} "
         f"VPP={cfg.parallel.virtual_pipeline or 1} DP={dp} on {rt.world_size} {rt.device.type} "
         f"ranks | {num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
-        f"{'Transformer Engine' if cfg.model.transformer_impl == 'transformer_engine' else 'local'} "
+        f"{'Transformer Engine' if use_transformer_engine(cfg) else 'local'} "
         f"layers, {str(rt.dtype).removeprefix('torch.')}"
     )
 
@@ -90,7 +90,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
     consumed = 0
     train_iters = [batch_iterator(train_ds, consumed, cfg) for _ in range(chunks)]
     stepper = Stepper(
-        model, optimizer, scheduler, tconfig, num_microbatches, cfg.data.seq_length,
+        model, optimizer, scheduler, num_microbatches, cfg.data.seq_length,
         cfg.train.micro_batch_size, cfg.train.global_batch_size, rt.device,
     )  # fmt: skip
 
