@@ -184,6 +184,41 @@ class TrainConfig:
     """Run validation every this many steps (and at the end); 0 disables it."""
     eval_steps: int = 4
     """Global batches per validation run."""
+    exit_after_minutes: float = 0.0
+    """Wall-clock budget: once exceeded, save a checkpoint and exit with code 3 (resume later);
+    0 disables it."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpoints (megatron-core dist_checkpointing, torch_dist format) and resume."""
+
+    save_dir: str | None = None
+    """Where ``iter_NNNNNNN/`` checkpoints and the ``latest`` tracker go; None means
+    ``<logging.run_dir>/checkpoints``."""
+    load: str = "auto"
+    """``auto``: resume from the newest complete checkpoint in save_dir, or start fresh and say
+    so. ``none``: always start fresh. Anything else is a path (a save dir or one ``iter_*``
+    checkpoint) that must exist and be complete, or the run stops with an error."""
+    finetune: bool = False
+    """Load only the model weights from ``load``; optimizer, LR schedule, step and data
+    position start fresh."""
+    interval: int = 0
+    """Save every this many steps; 0 disables step-based saves."""
+    interval_minutes: float = 0.0
+    """Save when this many minutes have passed since the last save; 0 disables it."""
+    save_at_end: bool = True
+    """Save after the last step."""
+    async_save: bool = True
+    """Write files in a background process while training continues (one save in flight)."""
+    keep_last: int = 2
+    """Keep this many newest complete checkpoints; 0 keeps all."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this, forever; 0 disables it."""
+    checksums: bool = True
+    """Record a SHA-256 of every file in the completion record (computed in the background)."""
+    verify_checksums: bool = False
+    """Verify those checksums when loading (sizes are always verified)."""
 
 
 @dataclass
@@ -218,6 +253,8 @@ class ExperimentConfig:
     """Gradient reduction."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Training loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs."""
 
@@ -337,6 +374,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig
 def to_dict(cfg: ExperimentConfig) -> dict:
     """The resolved config as plain data (for printing and saving)."""
     return dataclasses.asdict(cfg)
+
+
+def checkpoint_dir(cfg: ExperimentConfig) -> Path:
+    """The directory checkpoints are saved to."""
+    return Path(cfg.checkpoint.save_dir or Path(cfg.logging.run_dir) / "checkpoints")
 
 
 def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:
@@ -467,6 +509,22 @@ def validate(cfg: ExperimentConfig, world_size: int) -> None:
             "optimizer.warmup_steps",
             f"{cfg.optimizer.warmup_steps} warmup steps leave no decay within train.steps={t.steps}",
             "use fewer warmup steps than train.steps",
+        )
+    c = cfg.checkpoint
+    for key, value in [
+        ("checkpoint.interval", c.interval),
+        ("checkpoint.interval_minutes", c.interval_minutes),
+        ("checkpoint.keep_last", c.keep_last),
+        ("checkpoint.keep_every", c.keep_every),
+        ("train.exit_after_minutes", t.exit_after_minutes),
+    ]:
+        if value < 0:
+            raise ConfigError(key, f"must be >= 0, got {value}", f"set {key} to 0 (off) or a positive value")
+    if c.finetune and c.load in ("auto", "none"):
+        raise ConfigError(
+            "checkpoint.finetune",
+            "needs a checkpoint to take weights from",
+            "set checkpoint.load to its path",
         )
     if not d.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")

@@ -72,6 +72,25 @@ class MetricsLogger:
                 config=to_dict(cfg),
             )
 
+    def rewind(self, step: int) -> None:
+        """Drop records after ``step`` (a resumed run redoes those steps; no double counting)."""
+        if not self.enabled:
+            return
+        self._file.close()
+        path = Path(self._file.name)
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a kill
+            if record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+        self._file = open(path, "a")
+
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

@@ -46,5 +46,9 @@ def build_optimizer(
         wd_incr_style="constant",
         wsd_decay_steps=wsd_steps * gbs if o.decay_style == "WSD" else None,
         lr_wsd_decay_style="linear" if o.decay_style == "WSD" else None,
+        # On resume the config, not the checkpoint, decides the schedule's shape (a changed lr or
+        # step count takes effect); the step counter always comes from the checkpoint.
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
     return optimizer, scheduler

@@ -1,6 +1,8 @@
 """Pretrain a model: ``torchrun --nproc-per-node N -m megatron_train.train --config X.yaml [k=v ...]``.
 
-Exit codes: 0 done, 1 training failed (e.g. a NaN loss), 2 bad config or input.
+Exit codes: 0 done; 1 training failed (e.g. a NaN loss); 2 bad config, input or checkpoint;
+3 stopped early by a signal (SIGTERM, SIGUSR1, SIGINT) or train.exit_after_minutes after saving a
+checkpoint: run the same command again to resume.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import signal
 import sys
 import time
 import warnings
@@ -18,8 +21,10 @@ import yaml
 from megatron_train import runtime
 from megatron_train.config import ConfigError, ExperimentConfig, load_config, to_dict, validate
 
+EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
 EXIT_BAD_CONFIG = 2
+EXIT_STOPPED_EARLY = 3
 
 
 class TrainingDiverged(RuntimeError):
@@ -51,16 +56,11 @@ def resolve_config(args: argparse.Namespace, world_size: int) -> ExperimentConfi
     return cfg
 
 
-def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
-    """Build everything and run the loop; returns the run directory."""
-    from megatron.core import parallel_state
-
-    from megatron_train.data import batch_iterator, build_datasets
+def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
+    """Build everything and run the loop; returns the run directory and the exit code."""
+    from megatron_train.checkpoint.manager import Checkpointer
     from megatron_train.metrics import MetricsLogger
-    from megatron_train.model import build_model, use_transformer_engine
-    from megatron_train.optim import build_optimizer
-    from megatron_train.step import Stepper
-    from megatron_train.tokenizer import load_tokenizer
+    from megatron_train.stopping import StopWatch
 
     run_dir = Path(cfg.logging.run_dir)
     if rt.is_main:
@@ -68,10 +68,35 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     log = MetricsLogger(cfg, run_dir, rt.is_main, rt.world_size)
     log.info("resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    watch = StopWatch(cfg.train.exit_after_minutes, cfg.checkpoint.interval_minutes, rt.device)
+    checkpointer = Checkpointer(cfg, rt.is_main, log.info)
+    try:
+        return run_dir, _train(cfg, rt, run_dir, log, watch, checkpointer)
+    finally:
+        checkpointer.release()
+        watch.close()
+        log.close()
 
+
+def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch, checkpointer) -> int:
+    """The body of :func:`train`: model, data, resume, then the step loop; returns the exit code."""
+    from megatron.core import parallel_state
+
+    from megatron_train.checkpoint.state import Progress
+    from megatron_train.data import batch_iterator, build_datasets
+    from megatron_train.model import build_model, use_transformer_engine
+    from megatron_train.optim import build_optimizer
+    from megatron_train.step import Stepper
+    from megatron_train.tokenizer import load_tokenizer
+
+    resume_from = checkpointer.resolve()
     model, tconfig = build_model(cfg, rt)
     optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
     _wire_schedule_hooks(cfg, model, tconfig, optimizer)
+    progress = Progress(iteration=0, consumed_samples=0)
+    if resume_from is not None:
+        progress = checkpointer.load(resume_from, model, optimizer, scheduler)
+        log.rewind(progress.iteration)
     dp = parallel_state.get_data_parallel_world_size()
     num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
@@ -87,8 +112,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
     cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
     train_ds, valid_ds = build_datasets(cfg, tokenizer, cache_dir)
     chunks = len(model)
-    consumed = 0
-    train_iters = [batch_iterator(train_ds, consumed, cfg) for _ in range(chunks)]
+    train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in range(chunks)]
     stepper = Stepper(
         model, optimizer, scheduler, num_microbatches, cfg.data.seq_length,
         cfg.train.micro_batch_size, cfg.train.global_batch_size, rt.device,
@@ -101,25 +125,60 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> Path:
         iters = [batch_iterator(valid_ds, 0, cfg, num_samples=n) for _ in range(chunks)]
         log.log_validation(step, stepper.evaluate(iters, cfg.train.eval_steps))
 
-    interval_start, interval_steps, skipped = time.perf_counter(), 0, 0
-    for step in range(1, cfg.train.steps + 1):
-        result = stepper.train_step(train_iters)
-        if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
-            raise TrainingDiverged(
-                f"step {step}: loss {result.loss} / grad norm {result.grad_norm} is not finite. "
-                "Lower optimizer.lr, raise optimizer.warmup_steps or check the data."
+    def save(step: int) -> None:
+        checkpointer.save(step, model, optimizer, scheduler, progress)
+        watch.saved()
+
+    ckpt = cfg.checkpoint
+    exit_code = EXIT_OK
+    interval_start, interval_steps = time.perf_counter(), 0
+    try:
+        for step in range(progress.iteration + 1, cfg.train.steps + 1):
+            result = stepper.train_step(train_iters)
+            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+                raise TrainingDiverged(
+                    f"step {step}: loss {result.loss} / grad norm {result.grad_norm} is not finite. "
+                    "Lower optimizer.lr, raise optimizer.warmup_steps or check the data."
+                )
+            progress = Progress(
+                iteration=step,
+                consumed_samples=progress.consumed_samples + cfg.train.global_batch_size,
+                skipped_steps=progress.skipped_steps + result.skipped,
             )
-        interval_steps += 1
-        skipped += result.skipped
-        if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
-            elapsed = time.perf_counter() - interval_start
-            log.log_train(step, result.loss, result.lr, result.grad_norm, elapsed / interval_steps, skipped)
-            interval_start, interval_steps = time.perf_counter(), 0
-        if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
-            validate_now(step)
-            interval_start = time.perf_counter()
-    log.close()
-    return run_dir
+            interval_steps += 1
+            if step % cfg.logging.log_interval == 0 or step == cfg.train.steps:
+                elapsed = time.perf_counter() - interval_start
+                step_time, skipped = elapsed / interval_steps, progress.skipped_steps
+                log.log_train(step, result.loss, result.lr, result.grad_norm, step_time, skipped)
+                interval_start, interval_steps = time.perf_counter(), 0
+            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == cfg.train.steps):
+                validate_now(step)
+                interval_start = time.perf_counter()
+            checkpointer.poll()
+            decision = watch.decide()
+            last = step == cfg.train.steps
+            if (
+                decision.stop
+                or decision.save_by_time
+                or (ckpt.interval and step % ckpt.interval == 0)
+                or (last and ckpt.save_at_end)
+            ):
+                save(step)
+            if decision.stop and not last:
+                why = (
+                    f"signal {signal.Signals(decision.stop_signal).name}"
+                    if decision.stop_signal
+                    else f"train.exit_after_minutes={cfg.train.exit_after_minutes}"
+                )
+                log.info(f"stopping after step {step} on {why}; run the same command again to resume")
+                exit_code = EXIT_STOPPED_EARLY
+                break
+    except TrainingDiverged:
+        # Every rank sees the same loss, so all get here and can finish the save in flight together.
+        checkpointer.close()
+        raise
+    checkpointer.close()
+    return exit_code
 
 
 def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, tconfig, optimizer) -> None:
@@ -149,16 +208,23 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     warnings.filterwarnings("ignore", module="megatron")
     rt = runtime.initialize(cfg, env)
+    from megatron_train.checkpoint.files import CheckpointError
+
     try:
-        run_dir = train(cfg, rt)
+        run_dir, exit_code = train(cfg, rt)
+    except CheckpointError as err:
+        if rt.is_main:
+            print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     except TrainingDiverged as err:
         print(f"error on rank {rt.rank}: {err}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     finally:
         runtime.shutdown()
     if rt.is_main:
-        print(f"done. run directory: {run_dir.resolve()}", flush=True)
-    return 0
+        state = "done" if exit_code == EXIT_OK else "stopped early (checkpoint saved)"
+        print(f"{state}. run directory: {run_dir.resolve()}", flush=True)
+    return exit_code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Distributed checkpoints: on-disk format (files), state (state), safe loading, save/resume."""

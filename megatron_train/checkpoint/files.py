@@ -1,0 +1,206 @@
+"""The on-disk checkpoint layout and its integrity rules; no torch, no process groups.
+
+``<save dir>/iter_0000100/`` holds one checkpoint as megatron-core's dist_checkpointing writes
+it, plus ``complete.json``: the completion record listing every file with its size (and
+SHA-256). A checkpoint without a valid record is torn and never resumed from. The tracker
+``latest_checkpointed_iteration.txt`` (Megatron-LM's name) is rewritten atomically only after
+a record exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+RECORD = "complete.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_HASH_CHUNK = 16 * 2**20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with the reason and what to do."""
+
+
+def iteration_dir(save_dir: Path, iteration: int) -> Path:
+    """``<save_dir>/iter_0000100`` for iteration 100."""
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def iteration_of(path: Path) -> int | None:
+    """The iteration a checkpoint directory name encodes, or None if it is not one."""
+    match = _ITER_DIR.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so readers see the old or the new file, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file, read in large chunks (hashlib releases the GIL on them)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _payload_files(ckpt_dir: Path) -> list[Path]:
+    return sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != RECORD)
+
+
+def write_completion_record(ckpt_dir: Path, iteration: int, checksums: bool, extra: dict) -> dict:
+    """List every file of a finished checkpoint with its size (and SHA-256), atomically."""
+    files = {}
+    for path in _payload_files(ckpt_dir):
+        entry = {"size": path.stat().st_size}
+        if checksums:
+            entry["sha256"] = sha256_of(path)
+        files[str(path.relative_to(ckpt_dir))] = entry
+    record = {"format": 1, "iteration": iteration, **extra, "files": files}
+    write_atomic(ckpt_dir / RECORD, json.dumps(record, indent=1))
+    return record
+
+
+def read_record(ckpt_dir: Path) -> dict:
+    """The completion record, or CheckpointError when it is missing or unreadable."""
+    path = Path(ckpt_dir) / RECORD
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir} has no {RECORD}: the save did not finish (torn checkpoint)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err})") from err
+
+
+def verify(ckpt_dir: Path, checksums: bool = False) -> dict:
+    """Check a checkpoint against its completion record; returns the record.
+
+    Raises CheckpointError naming the first missing, truncated or corrupted file.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir} does not exist or is not a directory")
+    record = read_record(ckpt_dir)
+    for name, entry in record["files"].items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{ckpt_dir}: file {name} listed in {RECORD} is missing")
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(
+                f"{ckpt_dir}: file {name} has {size} bytes, {RECORD} says {entry['size']} "
+                "(truncated or altered)"
+            )
+        if checksums:
+            if "sha256" not in entry:
+                raise CheckpointError(f"{ckpt_dir}: {RECORD} has no checksums to verify (saved without them)")
+            if sha256_of(path) != entry["sha256"]:
+                raise CheckpointError(f"{ckpt_dir}: file {name} fails its SHA-256 check (corrupted)")
+    return record
+
+
+def checkpoint_dirs(save_dir: Path) -> list[Path]:
+    """All ``iter_*`` directories in a save dir, newest first."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return []
+    found = [p for p in save_dir.iterdir() if p.is_dir() and iteration_of(p) is not None]
+    return sorted(found, key=iteration_of, reverse=True)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where to resume from, and the newer checkpoints that were passed over (with why)."""
+
+    path: Path | None
+    skipped: list[tuple[Path, str]]
+
+
+def find_latest_complete(save_dir: Path, checksums: bool = False) -> ResumePoint:
+    """The newest checkpoint that verifies; torn newer ones are listed in ``skipped``."""
+    skipped = []
+    for path in checkpoint_dirs(save_dir):
+        try:
+            verify(path, checksums)
+        except CheckpointError as err:
+            skipped.append((path, str(err)))
+            continue
+        return ResumePoint(path, skipped)
+    return ResumePoint(None, skipped)
+
+
+def resolve_explicit(path: Path, checksums: bool = False) -> Path:
+    """An explicitly requested checkpoint: an ``iter_*`` dir, or a save dir whose newest checkpoint
+    must be complete. Anything else is a CheckpointError (never a silent fresh start)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint.load={str(path)!r} does not exist")
+    if iteration_of(path) is not None or (path / RECORD).exists():
+        verify(path, checksums)
+        return path
+    dirs = checkpoint_dirs(path)
+    if not dirs:
+        raise CheckpointError(
+            f"checkpoint.load={str(path)!r} is neither a checkpoint nor a save dir holding one"
+        )
+    verify(dirs[0], checksums)
+    return dirs[0]
+
+
+def update_tracker(save_dir: Path, iteration: int) -> None:
+    """Point the tracker at ``iteration`` (called only once its record is written)."""
+    write_atomic(Path(save_dir) / TRACKER, f"{iteration}\n")
+
+
+def to_delete(iterations: list[int], keep_last: int, keep_every: int) -> list[int]:
+    """Complete checkpoints that retention removes: all but the newest ``keep_last`` (0 keeps all)
+    and the multiples of ``keep_every``. The newest is always kept."""
+    if keep_last == 0:
+        return []
+    newest_first = sorted(iterations, reverse=True)
+    keep = set(newest_first[: max(keep_last, 1)])
+    if keep_every:
+        keep.update(i for i in iterations if i % keep_every == 0)
+    return [i for i in newest_first if i not in keep]
+
+
+def apply_retention(save_dir: Path, keep_last: int, keep_every: int) -> list[Path]:
+    """Delete what retention drops, plus torn checkpoints older than the newest complete one.
+
+    Called only after a new checkpoint is complete, so a complete one always survives.
+    """
+    dirs = checkpoint_dirs(save_dir)
+    complete = [iteration_of(p) for p in dirs if (p / RECORD).is_file()]
+    if not complete:
+        return []
+    newest = max(complete)
+    doomed = set(to_delete(complete, keep_last, keep_every))
+    removed = []
+    for path in dirs:
+        iteration = iteration_of(path)
+        torn_and_old = iteration < newest and not (path / RECORD).is_file()
+        if iteration in doomed or torn_and_old:
+            # The record goes first so a half-deleted directory reads as torn, not complete.
+            (path / RECORD).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

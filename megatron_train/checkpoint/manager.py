@@ -1,0 +1,205 @@
+"""Saving (async, one in flight) and resuming, on top of megatron-core's dist_checkpointing.
+
+A save runs in three parts: every rank builds its sharded state dict and hands it to
+dist_checkpointing (the only blocking part); a background process per rank writes the files;
+once every rank has finished, megatron runs our finaliser on all ranks and rank 0 records
+the files (sizes, SHA-256) in a thread, then moves the tracker and applies retention.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+from megatron_train import __version__
+from megatron_train.checkpoint import files
+from megatron_train.checkpoint.files import CheckpointError
+from megatron_train.checkpoint.safe_load import safe_unpickling
+from megatron_train.checkpoint.state import (
+    Layout,
+    Progress,
+    check_architecture,
+    full_state,
+    load_model,
+    load_optimizer,
+    model_state,
+    restore_rng,
+)
+from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Checkpointer:
+    """Saves checkpoints of one run and finds / loads the one to resume from."""
+
+    def __init__(self, cfg: ExperimentConfig, is_main: bool, log: Callable[[str], None]) -> None:
+        self.cfg, self.options = cfg, cfg.checkpoint
+        self.save_dir = checkpoint_dir(cfg)
+        self.is_main, self.log = is_main, log
+        self._queue = AsyncCallsQueue() if self.options.async_save else None
+        self._warmup: threading.Thread | None = None
+        if self._queue is not None:
+            # megatron's async writer collects results through a spawned multiprocessing Manager,
+            # started on first use; starting it now overlaps its start-up (seconds: it imports
+            # torch) with model building instead of adding it to the first save's blocking time.
+            self._warmup = threading.Thread(target=filesystem_async._get_write_results_queue, daemon=True)
+            self._warmup.start()
+        self._recorder: threading.Thread | None = None
+        self._recorder_error: BaseException | None = None
+        self.last_saved: int | None = None
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(self, iteration: int, model: list, optimizer, scheduler, progress: Progress) -> None:
+        """Start saving ``iteration``; returns once the state is handed off (async) or written."""
+        self.wait()
+        if self._warmup is not None:
+            self._warmup.join()
+            self._warmup = None
+        start = time.perf_counter()
+        path = files.iteration_dir(self.save_dir, iteration)
+        if self.is_main:
+            if path.exists():
+                # Only a torn save can be here: a complete one at this step means we resumed past it.
+                shutil.rmtree(path)
+            path.mkdir(parents=True)
+        torch.distributed.barrier()
+        common = {"layout": vars(Layout.current()), "config": to_dict(self.cfg), "version": __version__}
+        state = full_state(model, optimizer, scheduler, progress, common, is_loading=False)
+        request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+        request.add_finalize_fn(lambda: self._finalize(iteration, path, start))
+        if self._queue is not None:
+            self._queue.schedule_async_request(request)
+        else:
+            request.execute_sync()
+        kind = "async" if self._queue is not None else "sync"
+        blocked = time.perf_counter() - start
+        self.log(f"checkpoint step {iteration}: {kind} save started, blocked training {blocked:.2f} s")
+        self.last_saved = iteration
+
+    def _finalize(self, iteration: int, path: Path, start: float) -> None:
+        """Runs on every rank once all ranks' files are written (megatron's finalize hook)."""
+        if not self.is_main:
+            return
+        self._recorder = threading.Thread(target=self._record, args=(iteration, path, start), daemon=False)
+        self._recorder.start()
+        if self._queue is None:
+            self._join_recorder()
+
+    def _record(self, iteration: int, path: Path, start: float) -> None:
+        try:
+            extra = {"version": __version__, "layout": vars(Layout.current())}
+            files.write_completion_record(path, iteration, self.options.checksums, extra)
+            files.update_tracker(self.save_dir, iteration)
+            removed = files.apply_retention(self.save_dir, self.options.keep_last, self.options.keep_every)
+            gone = f"; removed {', '.join(p.name for p in removed)}" if removed else ""
+            self.log(
+                f"checkpoint step {iteration} complete: {path} ({_dir_size(path) / 2**20:.1f} MiB, "
+                f"{time.perf_counter() - start:.2f} s from start to record){gone}"
+            )
+        except BaseException as err:  # re-raised on the training thread by wait()
+            self._recorder_error = err
+
+    def _join_recorder(self) -> None:
+        if self._recorder is not None:
+            self._recorder.join()
+            self._recorder = None
+        if self._recorder_error is not None:
+            err, self._recorder_error = self._recorder_error, None
+            raise CheckpointError(f"recording the checkpoint failed: {err}") from err
+
+    def poll(self) -> None:
+        """Finalise a finished background save (call on every rank, e.g. once per step)."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        """Block until any save in flight is fully written and recorded (all ranks)."""
+        if self._queue is not None and self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=True)
+        self._join_recorder()
+
+    def release(self) -> None:
+        """Let the process exit cleanly on any path (a half-started writer Manager would block it)."""
+        if self._warmup is not None:
+            self._warmup.join()
+            self._warmup = None
+
+    def close(self) -> None:
+        """Wait for the last save, then stop the background writer."""
+        self.wait()
+        if self._queue is not None:
+            self._queue.close()
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def _resolve_on_main(self) -> tuple[str | None, list[str], str | None]:
+        load, checksums = self.options.load, self.options.verify_checksums
+        if load == "none":
+            return None, ["checkpoint.load=none: starting from freshly initialised weights"], None
+        if load == "auto":
+            point = files.find_latest_complete(self.save_dir, checksums)
+            notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
+            if point.path is None:
+                notes.append(f"no complete checkpoint in {self.save_dir}: starting fresh")
+                return None, notes, None
+            return str(point.path), notes, None
+        try:
+            return str(files.resolve_explicit(Path(load), checksums)), [], None
+        except CheckpointError as err:
+            return None, [], f"{err}. Fix checkpoint.load (or set it to auto / none)"
+
+    def resolve(self) -> Path | None:
+        """The checkpoint to start from (decided on rank 0, agreed by all); None starts fresh."""
+        decision = [self._resolve_on_main() if self.is_main else None]
+        torch.distributed.broadcast_object_list(decision, src=0)
+        path, notes, error = decision[0]
+        for note in notes:
+            self.log(note)
+        if error:
+            raise CheckpointError(error)
+        return Path(path) if path else None
+
+    def load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
+        """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
+        with safe_unpickling():
+            common = dist_checkpointing.load_common_state_dict(str(path))
+            saved_tensors = dist_checkpointing.load_tensors_metadata(str(path))
+        check_architecture(model_state(model), saved_tensors)
+        saved, now = Layout(**common["layout"]), Layout.current()
+        if self.options.finetune:
+            with safe_unpickling():
+                loaded = dist_checkpointing.load(model_state(model), str(path))
+            load_model(model, loaded)
+            self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
+            return Progress(iteration=0, consumed_samples=0)
+        state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True)
+        if saved != now:
+            del state["rng_state"]
+        with safe_unpickling():
+            loaded = dist_checkpointing.load(state, str(path))
+        load_model(model, loaded)
+        load_optimizer(optimizer, loaded["optimizer"])
+        scheduler.load_state_dict(loaded["scheduler"])
+        progress = Progress(**loaded["progress"])
+        if saved == now:
+            restore_rng(loaded["rng_state"])
+            how = "same layout, RNG states restored"
+        else:
+            how = f"resharded from {saved.describe()} to {now.describe()}; RNG streams start fresh"
+        self.log(
+            f"resumed from {path} at step {progress.iteration} "
+            f"({progress.consumed_samples:,} samples consumed; {how})"
+        )
+        return progress

@@ -1,0 +1,218 @@
+"""What a checkpoint holds, as megatron-core sharded state dicts, and putting it back.
+
+Model chunks and the distributed optimizer's state (in megatron's ``fully_reshardable``
+form) are ShardedTensors, so they reshard to any TP / PP / VPP / DP on load. The scheduler,
+progress counters, config and layout are common state (rank 0 writes them). Each rank's RNG
+states are a ShardedObject indexed by global rank; they are restored only when the layout is
+unchanged (otherwise the ranks' streams have no counterpart).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from megatron_train.checkpoint.files import CheckpointError
+
+_OPTIMIZER_METADATA = {
+    # Canonical per-parameter optimizer state: loadable at any DP / TP / PP.
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout a checkpoint was written with."""
+
+    tensor: int
+    pipeline: int
+    virtual_pipeline: int
+    data: int
+    world_size: int
+
+    @classmethod
+    def current(cls) -> Layout:
+        """This job's layout, from megatron's parallel_state."""
+        return cls(
+            tensor=parallel_state.get_tensor_model_parallel_world_size(),
+            pipeline=parallel_state.get_pipeline_model_parallel_world_size(),
+            virtual_pipeline=parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+            data=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+            world_size=torch.distributed.get_world_size(),
+        )
+
+    def describe(self) -> str:
+        """``TP2 x PP2 x VPP1 x DP2``."""
+        return f"TP{self.tensor} x PP{self.pipeline} x VPP{self.virtual_pipeline} x DP{self.data}"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands: what a resumed run continues from."""
+
+    iteration: int
+    consumed_samples: int
+    skipped_steps: int = 0
+
+
+def capture_rng() -> dict:
+    """Every RNG stream this rank draws from, as plain data (weights-only loadable)."""
+    version, mt_state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    return {
+        "python": (version, mt_state, gauss),
+        "numpy": (np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_has_gauss, np_gauss),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def restore_rng(state: dict) -> None:
+    """Put back what :func:`capture_rng` took."""
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = state["numpy"]
+    np.random.set_state((np_name, np_keys.numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_metadata() -> dict:
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return {**_OPTIMIZER_METADATA, "dp_cp_group": dp_cp_group}
+
+
+def _unwrap(chunk):
+    """The GPTModel inside megatron's DDP wrapper (state dict keys without ``module.``)."""
+    return getattr(chunk, "module", chunk)
+
+
+def model_state(model: list) -> dict:
+    """The model chunks' sharded state dicts (``model`` or ``model0``, ``model1`` with VPP)."""
+    metadata = _model_metadata()
+    if len(model) == 1:
+        return {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    return {f"model{i}": _unwrap(c).sharded_state_dict(metadata=metadata) for i, c in enumerate(model)}
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state so a checkpoint can be loaded into it.
+
+    With torch's Adam (no apex / TE), megatron reads the step count from the state, which only
+    exists after a step; megatron's own helper takes a zero-gradient step. The LR is zeroed for
+    it so weight decay leaves the weights alone (they are overwritten by the load anyway).
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or opt.optimizer.state:
+            continue
+        lrs = [group["lr"] for group in opt.optimizer.param_groups]
+        for group in opt.optimizer.param_groups:
+            group["lr"] = 0.0
+        opt._init_optimizer_states_with_dummy_values()
+        for group, lr in zip(opt.optimizer.param_groups, lrs):
+            group["lr"] = lr
+
+
+@contextlib.contextmanager
+def _keeping_torch_adam_step(optimizer) -> Iterator[None]:
+    """Work around megatron-core 0.16.1 failing to load a fully reshardable state into torch's Adam.
+
+    Without apex / TE, megatron restores Adam's per-parameter ``step`` from the param groups,
+    then copies every state entry from the loaded tensors, which skip ``step`` (KeyError). The
+    step already in place is handed back as its own source.
+    """
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            step = opt.optimizer.state[main_param].get("step")
+            if step is not None and "step" not in tensors:
+                tensors = {**tensors, "step": step}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def load_optimizer(optimizer, loaded: dict) -> None:
+    """Put the loaded optimizer state (any layout) into this rank's optimizer."""
+    with _keeping_torch_adam_step(optimizer):
+        optimizer.load_state_dict(loaded)
+    # The same fallback path gives every parameter one shared ``step`` tensor, which torch's Adam
+    # then increments once per parameter; each parameter needs its own.
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for param_state in opt.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
+
+
+def full_state(model: list, optimizer, scheduler, progress: Progress, common: dict, is_loading: bool) -> dict:
+    """Everything a resumable checkpoint holds (``common`` is config, layout and version)."""
+    state = model_state(model)
+    if is_loading:
+        _materialize_optimizer_state(optimizer)
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading, metadata=_model_metadata())
+    state["scheduler"] = scheduler.state_dict()
+    state["progress"] = asdict(progress)
+    state.update(common)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    state["rng_state"] = ShardedObject("rng_state", capture_rng(), (world,), (rank,), replica_id=0)
+    return state
+
+
+def _tensors(sharded: dict) -> dict[str, ShardedTensor]:
+    found = {}
+    for item in nested_values(sharded):
+        items = nested_values(item.build()) if isinstance(item, ShardedTensorFactory) else [item]
+        for shard in items:
+            if isinstance(shard, ShardedTensor):
+                found.setdefault(shard.key, shard)
+    return found
+
+
+def check_architecture(model_sharded: dict, saved: dict[str, ShardedTensor]) -> None:
+    """Fail with the first tensor whose global shape differs from the checkpoint's (or is absent)."""
+    for key, shard in sorted(_tensors(model_sharded).items()):
+        if key not in saved:
+            raise CheckpointError(
+                f"architecture mismatch: the checkpoint has no tensor {key!r} that the model needs "
+                "(different layer count, tied embeddings or bias settings?)"
+            )
+        if tuple(saved[key].global_shape) != tuple(shard.global_shape):
+            raise CheckpointError(
+                f"architecture mismatch at tensor {key!r}: checkpoint shape "
+                f"{tuple(saved[key].global_shape)}, model shape {tuple(shard.global_shape)}; "
+                "load it into a model with the same config"
+            )
+
+
+def load_model(model: list, loaded: dict) -> None:
+    """Copy loaded model tensors into the chunks."""
+    if len(model) == 1:
+        _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model):
+            _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
