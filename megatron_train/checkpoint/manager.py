@@ -8,10 +8,13 @@ the files (sizes, SHA-256) in a thread, then moves the tracker and applies reten
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -34,10 +37,29 @@ from megatron_train.checkpoint.state import (
     restore_rng,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
+from megatron_train.stopping import STOP_SIGNALS
 
 
 def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _start_results_manager() -> None:
+    """Start the multiprocessing Manager megatron's async writer reports results through.
+
+    megatron starts it lazily on the first save, with default signal handling, so the SIGTERM or
+    SIGINT that asks us to save-and-stop (torchrun and Ctrl-C signal the whole process group)
+    kills it and the save fails. Ours ignores those signals, and starting it here overlaps its
+    start-up (seconds: it imports torch) with model building instead of the first save.
+    """
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_ignore_stop_signals)
+    filesystem_async._results_queue = manager.Queue()
 
 
 class Checkpointer:
@@ -48,16 +70,12 @@ class Checkpointer:
         self.save_dir = checkpoint_dir(cfg)
         self.is_main, self.log = is_main, log
         self._queue = AsyncCallsQueue() if self.options.async_save else None
-        self._warmup: threading.Thread | None = None
-        if self._queue is not None:
-            # megatron's async writer collects results through a spawned multiprocessing Manager,
-            # started on first use; starting it now overlaps its start-up (seconds: it imports
-            # torch) with model building instead of adding it to the first save's blocking time.
-            self._warmup = threading.Thread(target=filesystem_async._get_write_results_queue, daemon=True)
-            self._warmup.start()
         self._recorder: threading.Thread | None = None
         self._recorder_error: BaseException | None = None
-        self.last_saved: int | None = None
+        self._warmup: threading.Thread | None = None
+        if self._queue is not None:
+            self._warmup = threading.Thread(target=_start_results_manager, daemon=True)
+            self._warmup.start()
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -86,7 +104,6 @@ class Checkpointer:
         kind = "async" if self._queue is not None else "sync"
         blocked = time.perf_counter() - start
         self.log(f"checkpoint step {iteration}: {kind} save started, blocked training {blocked:.2f} s")
-        self.last_saved = iteration
 
     def _finalize(self, iteration: int, path: Path, start: float) -> None:
         """Runs on every rank once all ranks' files are written (megatron's finalize hook)."""

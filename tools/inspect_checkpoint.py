@@ -1,0 +1,100 @@
+"""Describe a megatron-train checkpoint: iteration, config, tensors, files, completeness.
+
+    python tools/inspect_checkpoint.py runs/demo/checkpoints            # newest checkpoint
+    python tools/inspect_checkpoint.py runs/demo/checkpoints/iter_0000200 --verify-checksums
+
+Exit codes: 0 complete (and checksums match when verified), 1 torn or corrupted, 2 no checkpoint.
+Nothing is unpickled beyond plain data and checkpoint metadata (see checkpoint/safe_load.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_train.checkpoint import files
+from megatron_train.checkpoint.files import CheckpointError
+
+
+def _checkpoint_path(path: Path) -> Path:
+    if files.iteration_of(path) is not None or (path / files.RECORD).exists():
+        return path
+    dirs = files.checkpoint_dirs(path)
+    if not dirs:
+        raise CheckpointError(f"{path} is neither a checkpoint nor a save dir holding one")
+    return dirs[0]
+
+
+def _describe_common(path: Path) -> list[str]:
+    from megatron.core import dist_checkpointing
+
+    from megatron_train.checkpoint.safe_load import safe_unpickling
+
+    with safe_unpickling():
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    progress, layout, cfg = common["progress"], common["layout"], common["config"]
+    m, t, o = cfg["model"], cfg["train"], cfg["optimizer"]
+    return [
+        f"iteration:   {progress['iteration']} of {t['steps']} "
+        f"({progress['consumed_samples']:,} samples consumed, {progress['skipped_steps']} skipped steps)",
+        f"written by:  megatron-train {common.get('version', '?')} at TP{layout['tensor']} x "
+        f"PP{layout['pipeline']} x VPP{layout['virtual_pipeline']} x DP{layout['data']} "
+        f"({layout['world_size']} ranks)",
+        f"model:       {m.get('preset') or 'custom'}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
+        f"ffn {m['ffn_hidden_size']}, {m['num_attention_heads']} heads / "
+        f"{m['num_query_groups'] or m['num_attention_heads']} kv groups, vocab {m['vocab_size']}",
+        f"training:    gbs {t['global_batch_size']} x seq {cfg['data']['seq_length']}, lr {o['lr']} "
+        f"({o['decay_style']}), seed {t['seed']}",
+    ]
+
+
+def _describe_tensors(path: Path) -> list[str]:
+    from megatron.core import dist_checkpointing
+
+    from megatron_train.checkpoint.safe_load import safe_unpickling
+
+    with safe_unpickling():
+        tensors = dist_checkpointing.load_tensors_metadata(str(path))
+    lines, total = [], 0
+    for key in sorted(tensors):
+        shard = tensors[key]
+        numel = 1
+        for dim in shard.global_shape:
+            numel *= dim
+        total += numel
+        dtype = str(shard.dtype).removeprefix("torch.")
+        lines.append(f"  {key:<72} {str(tuple(shard.global_shape)):<22} {dtype}")
+    return [f"tensors ({len(tensors)}, {total:,} elements):", *lines]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("path", type=Path, help="a checkpoint (iter_*) or a save dir (newest is shown)")
+    parser.add_argument("--verify-checksums", action="store_true", help="recompute every file's SHA-256")
+    parser.add_argument("--no-tensors", action="store_true", help="skip the tensor listing")
+    args = parser.parse_args(argv)
+    try:
+        path = _checkpoint_path(args.path)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"checkpoint:  {path.resolve()}")
+    try:
+        record = files.verify(path, checksums=args.verify_checksums)
+    except CheckpointError as err:
+        print(f"status:      INCOMPLETE OR CORRUPTED: {err}")
+        return 1
+    size = sum(entry["size"] for entry in record["files"].values())
+    checked = "sizes and SHA-256 verified" if args.verify_checksums else "sizes verified"
+    print(f"status:      complete ({len(record['files'])} files, {size / 2**20:.1f} MiB; {checked})")
+    for line in _describe_common(path):
+        print(line)
+    if not args.no_tensors:
+        for line in _describe_tensors(path):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
