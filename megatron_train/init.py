@@ -15,6 +15,12 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
 
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -59,3 +65,22 @@ def initialize_weights(model_chunks: list[torch.nn.Module], seed: int, std: floa
                 for offset, size in zip(shard.global_offset[pre:], shard.local_shape)
             )
             shard.data.copy_(full[index].to(device=device, dtype=shard.data.dtype))
+
+
+def mark_tensor_parallel_weights(model_chunks: list[torch.nn.Module]) -> None:
+    """Tag the weights megatron's parallel layers split over TP ranks.
+
+    megatron-core sets ``tensor_model_parallel`` on these weights only inside its own weight
+    init, which we turn off; untagged, the gradient norm (and so clipping) counts every split
+    weight on TP rank 0 alone and comes out too small at TP > 1.
+    """
+    split_dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            weight = getattr(module, "weight", None)
+            if weight is None or getattr(weight, "tensor_model_parallel", False):
+                continue
+            for layer_type, dim in split_dims:
+                if isinstance(module, layer_type):
+                    set_tensor_model_parallel_attributes(weight, True, dim, 1)
+                    break

@@ -6,7 +6,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_train.config import ExperimentConfig
-from megatron_train.init import initialize_weights
+from megatron_train.init import initialize_weights, mark_tensor_parallel_weights
 from megatron_train.runtime import Runtime
 from models.llama import build_model_chunks, transformer_config
 from models.specs import transformer_engine_available
@@ -35,6 +35,7 @@ def build_model(
     for chunk in chunks:
         chunk.to(rt.device)
     initialize_weights(chunks, cfg.train.seed, cfg.model.init_method_std, cfg.model.num_layers)
+    mark_tensor_parallel_weights(chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,33 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, config: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Train with ``torchrun --standalone`` on ``nproc`` CPU ranks and wait for it."""
+    return subprocess.run(
+        torchrun_command(nproc, config, *overrides), cwd=ROOT, env=torchrun_env(),
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def torchrun_command(nproc: int, config: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "megatron_train.train", "--config", str(config), *overrides]  # fmt: skip
+
+
+def torchrun_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def records(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl records."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    """Per-step training losses, in order."""
+    return [r["loss"] for r in records(run_dir) if "loss" in r]
 
 
 def run_tool(*args: str, check: bool = True) -> subprocess.CompletedProcess:

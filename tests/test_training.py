@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, write_config
+from tests.conftest import records, torchrun, train_losses, write_config
 
 pytestmark = pytest.mark.slow
 
 
-def torchrun(nproc: int, config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_train.train", "--config", str(config), *overrides]  # fmt: skip
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def train_losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in records(run_dir) if "loss" in r]
+def grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in records(run_dir) if "grad_norm" in r]
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +83,10 @@ def test_layout_matches_single_rank(tmp_path, corpus, small_lr_baseline, tp, pp,
     assert len(got) == len(expected) >= 5
     for step, (e, g) in enumerate(zip(expected, got), start=1):
         assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs single-rank {e}"
+    # The gradient norm drives clipping, so it must not depend on the layout either.
+    expected_norms, norms = grad_norms(small_lr_baseline), grad_norms(tmp_path / "run")
+    for step, (e, g) in enumerate(zip(expected_norms, norms), start=1):
+        assert abs(g - e) <= 1e-4 * e, f"step {step}: grad norm {g} vs single-rank {e}"
 
 
 def test_vpp_matches_single_rank_when_microbatches_equal_stages(tmp_path, corpus):

@@ -25,6 +25,7 @@ _METADATA_GLOBALS = {
     ("torch", "Size"),
     ("torch", "device"),
     ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),

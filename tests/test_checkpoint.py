@@ -1,0 +1,264 @@
+"""Checkpoints end to end: exact resume after kill -9, resharding, signals, torn saves, integrity."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from megatron_train.checkpoint import files
+from tests.conftest import ROOT, records, run_tool, torchrun, torchrun_command, torchrun_env, write_config
+
+pytestmark = pytest.mark.slow
+
+EXIT_BAD_INPUT, EXIT_STOPPED_EARLY = 2, 3
+
+
+def single_rank(config: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """One training process without torchrun (how srun starts each rank)."""
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Start a run in its own session so the test can kill its whole process tree."""
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=torchrun_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 240, poll: float = 0.005) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"run ended early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out:\n{log.read_text()[-3000:]}"
+        time.sleep(poll)
+
+
+def tracker_at(save_dir: Path, iteration: int):
+    tracker = save_dir / files.TRACKER
+    return lambda: tracker.is_file() and tracker.read_text().strip() == str(iteration)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every descendant at once (torchrun puts workers in new sessions)."""
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in tree:
+        p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(tree, timeout=30)
+    proc.wait()
+
+
+def metric_lines(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in records(run_dir)]
+
+
+EXACT_LAYOUTS = [
+    ("pp2", 2, ["parallel.pipeline=2"]),
+    ("dp2", 2, []),
+    ("vpp2", 2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2"]),
+]
+
+
+@pytest.mark.parametrize(("name", "nproc", "layout"), EXACT_LAYOUTS, ids=[x[0] for x in EXACT_LAYOUTS])
+def test_kill9_after_a_save_then_auto_resume_is_bitwise_identical(tmp_path, corpus, name, nproc, layout):
+    checkpoint = {"interval": 5}
+    train = {"steps": 20, "eval_interval": 5}
+    straight = write_config(tmp_path / "a.yaml", corpus, tmp_path / "a", checkpoint=checkpoint, train=train)
+    result = torchrun(nproc, straight, *layout)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    config = write_config(tmp_path / "b.yaml", corpus, tmp_path / "b", checkpoint=checkpoint, train=train)
+    save_dir = tmp_path / "b" / "checkpoints"
+    log = tmp_path / "killed.log"
+    proc = start(torchrun_command(nproc, config, *layout), log)
+    wait_for(tracker_at(save_dir, 5), proc, log)
+    time.sleep(random.uniform(0.0, 1.0))
+    kill_tree(proc)
+    assert "done." not in log.read_text(), "the run finished before it could be killed"
+    latest = files.iteration_of(files.find_latest_complete(save_dir).path)
+
+    resumed = torchrun(nproc, config, *layout)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"at step {latest} (" in resumed.stdout
+    assert metric_lines(tmp_path / "b") == metric_lines(tmp_path / "a"), "losses differ after resume"
+
+
+# Adam amplifies fp32 reduction-order noise across TP sizes; this LR keeps 1e-5 meaningful.
+SMALL_LR = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2}
+
+
+def test_reshard_on_resume_changes_layout_and_world_size(tmp_path, corpus):
+    train = {"steps": 6, "micro_batch_size": 1, "eval_interval": 0}
+    base = write_config(
+        tmp_path / "base.yaml",
+        corpus,
+        tmp_path / "base",
+        optimizer=SMALL_LR,
+        train=train,
+        checkpoint={"interval": 3},
+    )
+    result = torchrun(8, base, "parallel.tensor=2", "parallel.pipeline=2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected = {r["step"]: r["loss"] for r in records(tmp_path / "base") if "loss" in r}
+
+    for name, nproc, layout in [("tp1pp1dp1", 1, []), ("tp1pp2dp4", 8, ["parallel.pipeline=2"])]:
+        run_dir = tmp_path / name
+        shutil.copytree(
+            tmp_path / "base" / "checkpoints" / "iter_0000003", run_dir / "checkpoints" / "iter_0000003"
+        )
+        config = write_config(tmp_path / f"{name}.yaml", corpus, run_dir, optimizer=SMALL_LR, train=train)
+        result = torchrun(nproc, config, *layout)
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "resharded from TP2 x PP2 x VPP1 x DP2" in result.stdout
+        got = {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+        assert sorted(got) == [4, 5, 6], "resumed runs continue at the next global sample"
+        for step, loss in got.items():
+            assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"{name} step {step}"
+
+
+def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus):
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
+    )
+    log = tmp_path / "run.log"
+    proc = start(torchrun_command(2, config, "parallel.pipeline=2"), log)
+    wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+    proc.wait(timeout=120)
+    text = log.read_text()
+    assert "on signal SIGTERM" in text and "stopped early (checkpoint saved)" in text, text[-3000:]
+    save_dir = tmp_path / "run" / "checkpoints"
+    stopped_at = int((save_dir / files.TRACKER).read_text())
+    files.verify(files.iteration_dir(save_dir, stopped_at), checksums=True)
+
+    resumed = torchrun(2, config, "parallel.pipeline=2", "train.steps=" + str(stopped_at + 2))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"at step {stopped_at} " in resumed.stdout
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 3))
+
+
+def test_sigusr1_to_a_rank_saves_and_exits_with_code_3(tmp_path, corpus):
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
+    )
+    log = tmp_path / "run.log"
+    proc = start([sys.executable, "-m", "megatron_train.train", "--config", str(config)], log)
+    wait_for(lambda: "step 2/" in log.read_text(), proc, log, poll=0.05)
+    proc.send_signal(signal.SIGUSR1)  # what Slurm's --signal delivers to each srun task
+    assert proc.wait(timeout=120) == EXIT_STOPPED_EARLY, log.read_text()[-3000:]
+    assert "on signal SIGUSR1" in log.read_text()
+    assert files.find_latest_complete(tmp_path / "run" / "checkpoints").path is not None
+
+
+def test_time_budget_and_minute_interval(tmp_path, corpus):
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run",
+        train={"steps": 5000, "eval_interval": 0, "exit_after_minutes": 0.25},
+        checkpoint={"interval_minutes": 0.05, "keep_last": 2},
+    )  # fmt: skip
+    result = single_rank(config)
+    assert result.returncode == EXIT_STOPPED_EARLY, result.stderr[-3000:]
+    assert "train.exit_after_minutes=0.25" in result.stdout
+    saves = result.stdout.count("save started")
+    assert saves >= 3, result.stdout[-3000:]
+    assert len(files.checkpoint_dirs(tmp_path / "run" / "checkpoints")) == 2, "keep_last=2"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus) -> dict:
+    """A finished single-rank run with checkpoints at steps 2 and 4."""
+    d = tmp_path_factory.mktemp("trained")
+    config = write_config(d / "cfg.yaml", corpus, d / "run", checkpoint={"interval": 2}, train={"steps": 4})
+    result = single_rank(config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {"config": config, "run": d / "run", "save_dir": d / "run" / "checkpoints"}
+
+
+def test_kill_during_async_save_resumes_from_previous_complete(tmp_path, corpus):
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", checkpoint={"interval": 2}, train={"steps": 6}
+    )
+    save_dir = tmp_path / "run" / "checkpoints"
+    log = tmp_path / "run.log"
+    proc = start([sys.executable, "-m", "megatron_train.train", "--config", str(config)], log)
+    wait_for(lambda: files.iteration_dir(save_dir, 4).is_dir(), proc, log, poll=0.002)
+    kill_tree(proc)
+    assert not (files.iteration_dir(save_dir, 4) / files.RECORD).exists(), "killed after the save completed"
+
+    resumed = single_rank(config)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "skipping torn checkpoint iter_0000004" in resumed.stdout
+    assert "iter_0000002 at step 2" in resumed.stdout
+    assert [r["step"] for r in records(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_truncated_latest_falls_back_in_auto_and_fails_when_explicit(tmp_path, trained):
+    save_dir = tmp_path / "checkpoints"
+    shutil.copytree(trained["save_dir"], save_dir)
+    latest = files.iteration_dir(save_dir, 4)
+    victim = max(latest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    os.truncate(victim, victim.stat().st_size // 2)
+
+    inspect = run_tool("tools/inspect_checkpoint.py", str(latest), check=False)
+    assert inspect.returncode == 1 and "truncated" in inspect.stdout
+
+    explicit = single_rank(
+        trained["config"], f"checkpoint.load={latest}", f"logging.run_dir={tmp_path / 'x'}"
+    )
+    assert explicit.returncode == EXIT_BAD_INPUT
+    assert f"{victim.name} has" in explicit.stderr and "truncated" in explicit.stderr
+
+    auto = single_rank(trained["config"], f"checkpoint.save_dir={save_dir}", "train.steps=5",
+                       f"logging.run_dir={tmp_path / 'y'}")  # fmt: skip
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert "skipping torn checkpoint iter_0000004" in auto.stdout and "at step 2 " in auto.stdout
+
+
+def test_bad_load_requests_are_clear_errors(tmp_path, trained):
+    missing = single_rank(trained["config"], f"checkpoint.load={tmp_path / 'nope'}")
+    assert missing.returncode == EXIT_BAD_INPUT and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+    mismatch = single_rank(
+        trained["config"], f"checkpoint.load={trained['save_dir']}", "model.ffn_hidden_size=256",
+        f"logging.run_dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert mismatch.returncode == EXIT_BAD_INPUT
+    assert "architecture mismatch at tensor 'decoder.layers.mlp.linear_fc1.weight'" in mismatch.stderr
+    assert "checkpoint shape (4, 704, 128), model shape (4, 512, 128)" in mismatch.stderr
+
+
+def test_finetune_loads_weights_only(tmp_path, trained):
+    result = single_rank(
+        trained["config"], f"checkpoint.load={trained['save_dir']}", "checkpoint.finetune=true",
+        f"logging.run_dir={tmp_path / 'ft'}", "train.steps=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fine-tuning from the weights of" in result.stdout
+    fresh_first = records(trained["run"])[0]["loss"]
+    tuned = [r for r in records(tmp_path / "ft") if "loss" in r]
+    assert tuned[0]["step"] == 1 and tuned[0]["loss"] < fresh_first - 0.05
+
+
+def test_checkpoint_contents_are_plain_and_inspectable(trained):
+    latest = files.iteration_dir(trained["save_dir"], 4)
+    common = torch.load(latest / "common.pt", weights_only=True)
+    assert common["progress"] == {"iteration": 4, "consumed_samples": 32, "skipped_steps": 0}
+    assert (trained["save_dir"] / files.TRACKER).read_text() == "4\n"
+    record = files.verify(latest, checksums=True)
+    assert {"common.pt", "metadata.json", ".metadata"} <= set(record["files"])
+
+    result = run_tool("tools/inspect_checkpoint.py", str(trained["save_dir"]), "--verify-checksums")
+    assert "iteration:   4 of 4" in result.stdout and "SHA-256 verified" in result.stdout
+    assert "embedding.word_embeddings.weight" in result.stdout
+    assert "optimizer.state.exp_avg_sq.decoder.final_layernorm.weight" in result.stdout

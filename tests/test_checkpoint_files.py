@@ -1,0 +1,141 @@
+"""The checkpoint directory format: completion records, integrity, retention, safe unpickling."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from megatron_train.checkpoint import files
+from megatron_train.checkpoint.files import CheckpointError
+from megatron_train.checkpoint.safe_load import UnsafeCheckpointError, safe_unpickling
+
+
+def make_checkpoint(save_dir: Path, iteration: int, complete: bool = True) -> Path:
+    path = files.iteration_dir(save_dir, iteration)
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(os.urandom(4096))
+    (path / "common.pt").write_bytes(b"x" * 100)
+    if complete:
+        files.write_completion_record(path, iteration, checksums=True, extra={})
+    return path
+
+
+def test_record_lists_every_file_with_size_and_checksum(tmp_path):
+    path = make_checkpoint(tmp_path, 100)
+    record = files.verify(path, checksums=True)
+    assert path.name == "iter_0000100" and record["iteration"] == 100
+    assert record["files"]["__0_0.distcp"]["size"] == 4096
+    assert len(record["files"]["common.pt"]["sha256"]) == 64
+    assert not list(tmp_path.rglob(".*tmp*")), "atomic writes leave no temp files"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: (p / files.RECORD).unlink(), "torn checkpoint"),
+        (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp listed in complete.json is missing"),
+        (lambda p: os.truncate(p / "__0_0.distcp", 1000), "has 1000 bytes, complete.json says 4096"),
+        (lambda p: (p / files.RECORD).write_text("{"), "unreadable"),
+    ],
+    ids=["no-record", "deleted-file", "truncated-file", "garbled-record"],
+)
+def test_damaged_checkpoints_are_reported(tmp_path, damage, message):
+    path = make_checkpoint(tmp_path, 5)
+    damage(path)
+    with pytest.raises(CheckpointError, match=message):
+        files.verify(path)
+
+
+def test_checksums_catch_same_size_corruption_only_when_asked(tmp_path):
+    path = make_checkpoint(tmp_path, 5)
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    data[10] ^= 0xFF
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+    files.verify(path)
+    with pytest.raises(CheckpointError, match="fails its SHA-256 check"):
+        files.verify(path, checksums=True)
+
+
+def test_auto_resume_skips_a_torn_latest(tmp_path):
+    make_checkpoint(tmp_path, 10)
+    torn = make_checkpoint(tmp_path, 20)
+    os.truncate(torn / "common.pt", 3)
+    make_checkpoint(tmp_path, 30, complete=False)
+    point = files.find_latest_complete(tmp_path)
+    assert point.path == files.iteration_dir(tmp_path, 10)
+    assert [p.name for p, _ in point.skipped] == ["iter_0000030", "iter_0000020"]
+    assert files.find_latest_complete(tmp_path / "missing").path is None
+
+
+def test_explicit_paths_must_be_complete(tmp_path):
+    good = make_checkpoint(tmp_path, 10)
+    assert files.resolve_explicit(good) == good
+    assert files.resolve_explicit(tmp_path) == good
+    make_checkpoint(tmp_path, 20, complete=False)
+    with pytest.raises(CheckpointError, match="torn"):
+        files.resolve_explicit(tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        files.resolve_explicit(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="neither a checkpoint nor a save dir"):
+        files.resolve_explicit(tmp_path / "empty")
+
+
+def test_tracker_is_replaced_atomically(tmp_path):
+    files.update_tracker(tmp_path, 7)
+    files.update_tracker(tmp_path, 8)
+    assert (tmp_path / files.TRACKER).read_text() == "8\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [files.TRACKER]
+
+
+def test_retention_keeps_last_k_and_every_mth():
+    assert files.to_delete([2, 4, 6, 8, 10], keep_last=2, keep_every=4) == [6, 2]
+    assert files.to_delete([2, 4, 6], keep_last=0, keep_every=0) == []
+    assert files.to_delete([6], keep_last=1, keep_every=0) == []
+
+
+def test_retention_deletes_only_after_a_newer_complete_one(tmp_path):
+    for step in (2, 4, 6):
+        make_checkpoint(tmp_path, step)
+    make_checkpoint(tmp_path, 3, complete=False)
+    make_checkpoint(tmp_path, 8, complete=False)  # a save still being written
+    removed = files.apply_retention(tmp_path, keep_last=1, keep_every=4)
+    assert sorted(p.name for p in removed) == ["iter_0000002", "iter_0000003"]
+    assert [p.name for p in files.checkpoint_dirs(tmp_path)] == [
+        "iter_0000008",
+        "iter_0000006",
+        "iter_0000004",
+    ]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_malicious_metadata_pickle_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with safe_unpickling():
+        assert "w" in FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with safe_unpickling(), pytest.raises(UnsafeCheckpointError, match="posix.system"):
+        FileSystemReader(tmp_path / "ckpt").read_metadata()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_torch_load_is_weights_only_inside_safe_unpickling(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    torch.save({"ok": torch.ones(2)}, tmp_path / "good.pt")
+    (tmp_path / "bad.pt").write_bytes(pickle.dumps(_Payload()))
+    with safe_unpickling():
+        assert torch.load(tmp_path / "good.pt")["ok"].sum() == 2
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(tmp_path / "bad.pt", weights_only=False)
+    assert not (tmp_path / "pwned").exists()
