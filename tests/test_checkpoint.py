@@ -241,7 +241,7 @@ def test_bad_load_requests_are_clear_errors(tmp_path, trained):
 def test_finetune_loads_weights_only(tmp_path, trained):
     result = single_rank(
         trained["config"], f"checkpoint.load={trained['save_dir']}", "checkpoint.finetune=true",
-        f"logging.run_dir={tmp_path / 'ft'}", "train.steps=2",
+        f"logging.run_dir={tmp_path / 'ft'}", "train.steps=3", "optimizer.warmup_steps=1",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fine-tuning from the weights of" in result.stdout

@@ -1,0 +1,105 @@
+"""Submit a pretraining job to Slurm: preflight first, then sbatch launch/slurm/pretrain.sbatch.
+
+    python launch/submit.py --config configs/llama3_8b.yaml --nodes 4 --time 24:00:00 \
+        --partition gpu --account myproj [--container-image nvcr.io#...] [key=value ...]
+
+Nothing is submitted when the preflight finds a problem (exit 2). --dry-run prints the sbatch
+command instead of running it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH_SCRIPT = ROOT / "launch" / "slurm" / "pretrain.sbatch"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--config", required=True, help="experiment YAML")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (one per GPU)")
+    parser.add_argument("--cpu", action="store_true", help="CPU-only nodes: no --gpus-per-node request")
+    parser.add_argument("--time", default="24:00:00", help="time limit (sbatch --time)")
+    parser.add_argument("--partition")
+    parser.add_argument("--account")
+    parser.add_argument("--job-name", default="megatron-train")
+    parser.add_argument("--signal-seconds", type=int, default=300,
+                        help="send SIGUSR1 this long before the time limit (save, then requeue)")  # fmt: skip
+    parser.add_argument("--max-requeues", type=int, default=20)
+    parser.add_argument("--container-image", help="pyxis/enroot image (e.g. a .sqsh from enroot import)")
+    parser.add_argument("--container-mounts", help="extra pyxis mounts, src:dst[,src:dst]")
+    parser.add_argument("--log-dir", default="logs", help="per-job directory with per-rank logs goes here")
+    parser.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
+    parser.add_argument("--skip-preflight", action="store_true")
+    parser.add_argument("--dry-run", action="store_true", help="print the sbatch command, do not submit")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
+    return parser.parse_args(argv)
+
+
+def sbatch_command(args: argparse.Namespace) -> list[str]:
+    """The sbatch command line for these arguments."""
+    log_dir = Path(args.log_dir).resolve()
+    cmd = ["sbatch", "--parsable", f"--job-name={args.job_name}", f"--nodes={args.nodes}",
+           f"--ntasks-per-node={args.gpus_per_node}", f"--time={args.time}",
+           f"--signal=USR1@{args.signal_seconds}", f"--output={log_dir}/%x-%j.out"]  # fmt: skip
+    if not args.cpu:
+        cmd.append(f"--gpus-per-node={args.gpus_per_node}")
+    if args.partition:
+        cmd.append(f"--partition={args.partition}")
+    if args.account:
+        cmd.append(f"--account={args.account}")
+    return [*cmd, str(SBATCH_SCRIPT), *args.overrides]
+
+
+def job_environment(args: argparse.Namespace) -> dict[str, str]:
+    """What pretrain.sbatch reads (sbatch exports the submitting environment by default)."""
+    env = {
+        **os.environ,
+        "MT_CONFIG": str(Path(args.config).resolve()),
+        "MT_PYTHON": args.python,
+        "MT_MAX_REQUEUES": str(args.max_requeues),
+        "MT_LOG_DIR": str(Path(args.log_dir).resolve()),
+        "MT_REPO": str(ROOT),
+    }
+    if args.container_image:
+        env["MT_CONTAINER_IMAGE"] = args.container_image
+    if args.container_mounts:
+        env["MT_CONTAINER_MOUNTS"] = args.container_mounts
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.skip_preflight:
+        preflight = [sys.executable, "-m", "megatron_train.preflight", "--config", args.config,
+                     "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
+                     *args.overrides]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        if subprocess.call(preflight, cwd=ROOT, env=env) != 0:
+            print("not submitted: fix the preflight error above", file=sys.stderr)
+            return 2
+    cmd = sbatch_command(args)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(cmd, env=job_environment(args), capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"sbatch failed: {result.stderr.strip()}", file=sys.stderr)
+        return 1
+    job_id = result.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id}; logs: {Path(args.log_dir).resolve()}/{args.job_name}-{job_id}.out "
+          f"and {Path(args.log_dir).resolve()}/{args.job_name}-{job_id}/rank-*.log")  # fmt: skip
+    print(job_id)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
