@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -80,6 +81,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
 
 def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch, checkpointer) -> int:
     """The body of :func:`train`: model, data, resume, then the step loop; returns the exit code."""
+    import torch
     from megatron.core import parallel_state
 
     from megatron_train.checkpoint.state import Progress
@@ -178,6 +180,10 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
         checkpointer.close()
         raise
     checkpointer.close()
+    report_exit_status(exit_code)
+    # Rank 0 records the last save after the others finished writing it; no rank may exit before
+    # that, or a launcher that kills the job when its first rank exits could tear it.
+    torch.distributed.barrier()
     return exit_code
 
 
@@ -197,7 +203,27 @@ def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, tconfig, optimizer)
         tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
 
 
+def report_exit_status(code: int) -> None:
+    """Write the exit code to ``$MEGATRON_TRAIN_EXIT_STATUS_FILE`` (rank 0) when a launcher asks.
+
+    srun --kill-on-bad-exit terminates the remaining ranks as soon as the first one exits non-zero,
+    so the launcher sees their 143 rather than our 3 (stopped early, checkpoint saved). This file
+    is written before any rank exits (every rank passes a barrier after the last save).
+    """
+    path = os.environ.get("MEGATRON_TRAIN_EXIT_STATUS_FILE")
+    if path and runtime.launch_env().rank == 0:
+        from megatron_train.checkpoint.files import write_atomic
+
+        write_atomic(Path(path), f"{code}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
+    code = _main(argv)
+    report_exit_status(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     env = runtime.launch_env()
     try:

@@ -156,9 +156,6 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the last save, then stop the background writer."""
         self.wait()
-        # Rank 0 records the save after the others are done writing; keep every rank alive until
-        # then, so a launcher that kills the job when the first rank exits cannot tear it.
-        torch.distributed.barrier()
         if self._queue is not None:
             self._queue.close()
 

@@ -1,0 +1,196 @@
+"""The Slurm launch path on a real two-node Slurm (slurm-wlm + munge on loopback).
+
+The fixture installs slurm-wlm and munge when missing (apt, as root), starts munged, slurmctld
+and two slurmd daemons (``-N n1`` / ``-N n2``) from a generated slurm.conf, and tears them down.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, records, write_config
+
+pytestmark = pytest.mark.slow
+
+SLURM_CONF = """\
+ClusterName=mtrain-test
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool-%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd-%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+MpiDefault=none
+JobRequeue=1
+MinJobAge=3600
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=4 RealMemory=8000 State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port} CPUs=4 RealMemory=8000 State=UNKNOWN
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(*cmd: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=check)
+
+
+def _ensure_installed() -> None:
+    if shutil.which("slurmctld") and shutil.which("munged"):
+        return
+    assert os.geteuid() == 0, "installing slurm-wlm and munge needs root"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    installed = _run("apt-get", "install", "-y", "-q", "slurm-wlm", "munge", env=env, check=False)
+    if installed.returncode != 0:
+        _run("apt-get", "update", "-q", env=env)
+        _run("apt-get", "install", "-y", "-q", "slurm-wlm", "munge", env=env)
+
+
+def _ensure_munged() -> None:
+    if _run("pgrep", "-x", "munged", check=False).returncode == 0:
+        return
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    if not Path("/etc/munge/munge.key").exists():
+        _run("mungekey", "--create")
+        shutil.chown("/etc/munge/munge.key", "munge", "munge")
+    _run("munged", "--force")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> dict[str, str]:
+    """Environment (SLURM_CONF) of a running two-node cluster."""
+    _ensure_installed()
+    _ensure_munged()
+    d = tmp_path_factory.mktemp("slurm")
+    (d / "state").mkdir()
+    conf = d / "slurm.conf"
+    conf.write_text(
+        SLURM_CONF.format(d=d, ctld_port=_free_port(), n1_port=_free_port(), n2_port=_free_port())
+    )
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    _run("slurmctld", "-c", "-f", str(conf), env=env)
+    _run("slurmd", "-N", "n1", "-f", str(conf), env=env)
+    _run("slurmd", "-N", "n2", "-f", str(conf), env=env)
+    deadline = time.monotonic() + 60
+    while "idle" not in _run("sinfo", "-h", "-o", "%T %D", env=env, check=False).stdout:
+        assert time.monotonic() < deadline, (d / "slurmctld.log").read_text()[-2000:]
+        time.sleep(1)
+    yield env
+    _run("scancel", "--user=root", env=env, check=False)
+    for pid_file in d.glob("*.pid"):
+        _run("kill", pid_file.read_text().strip(), check=False)
+
+
+def submit(
+    slurm: dict, config: Path, log_dir: Path, *overrides: str, extra: tuple = ()
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "launch/submit.py", "--config", str(config), "--cpu", "--nodes", "2",
+           "--gpus-per-node", "2", "--time", "10", "--log-dir", str(log_dir), *extra,
+           "parallel.tensor=2", "parallel.pipeline=2", *overrides]  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=ROOT, env={**slurm, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True
+    )
+
+
+def job_field(slurm: dict, job: str, field: str) -> str:
+    out = _run("scontrol", "show", "job", job, env=slurm).stdout
+    return next(tok.split("=", 1)[1] for tok in out.split() if tok.startswith(field + "="))
+
+
+def wait_for_job(slurm: dict, job: str, timeout: float = 400) -> str:
+    deadline = time.monotonic() + timeout
+    while (state := job_field(slurm, job, "JobState")) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        assert time.monotonic() < deadline, f"job {job} still {state}"
+        time.sleep(2)
+    return state
+
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, corpus, tmp_path_factory) -> dict:
+    """A 2-node TP2 x PP2 job (ranks 0-1 on n1, 2-3 on n2) run to completion."""
+    d = tmp_path_factory.mktemp("slurm_a")
+    config = write_config(d / "cfg.yaml", corpus, d / "run", train={"steps": STEPS, "eval_interval": 0},
+                          checkpoint={"interval": 10})  # fmt: skip
+    result = submit(slurm, config, d / "logs")
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.split()[-1]
+    assert wait_for_job(slurm, job) == "COMPLETED", (d / "logs" / f"megatron-train-{job}.out").read_text()
+    return {"dir": d, "job": job, "run": d / "run"}
+
+
+def test_two_node_job_completes(slurm, uninterrupted):
+    d, job = uninterrupted["dir"], uninterrupted["job"]
+    logs = d / "logs" / f"megatron-train-{job}"
+    assert sorted(p.name for p in logs.glob("rank-*.log")) == [f"rank-{i}.log" for i in range(4)]
+    assert "done. run directory" in (logs / "rank-0.log").read_text()
+    assert "layout TP=2 PP=2 VPP=1 DP=1 on 4 cpu ranks" in (logs / "rank-0.log").read_text()
+    assert job_field(slurm, job, "NodeList") == "n[1-2]"
+    assert [r["step"] for r in records(uninterrupted["run"])] == list(range(1, STEPS + 1))
+
+
+def test_pre_timeout_signal_saves_requeues_and_resumes_to_the_same_loss(
+    slurm, corpus, uninterrupted, tmp_path
+):
+    train = {"steps": STEPS, "eval_interval": 0}
+    checkpoint = {"interval": 10}
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train=train, checkpoint=checkpoint)
+    result = submit(slurm, config, tmp_path / "logs")
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.split()[-1]
+    rank0 = tmp_path / "logs" / f"megatron-train-{job}" / "rank-0.log"
+    deadline = time.monotonic() + 300
+    while not (rank0.exists() and "step 4/" in rank0.read_text()):
+        assert time.monotonic() < deadline and job_field(slurm, job, "JobState") in ("PENDING", "RUNNING")
+        time.sleep(0.5)
+    # What Slurm's --signal=USR1@<seconds> does before the time limit: SIGUSR1 to every task.
+    _run("scancel", "--signal=USR1", job, env=slurm)
+    assert wait_for_job(slurm, job) == "COMPLETED"
+    batch_log = (tmp_path / "logs" / f"megatron-train-{job}.out").read_text()
+    assert "requeueing to resume" in batch_log and job_field(slurm, job, "Restarts") == "1"
+    text = rank0.read_text()
+    assert "on signal SIGUSR1" in text and "resumed from" in text and "done. run directory" in text
+    losses = [r["loss"] for r in records(tmp_path / "run")]
+    expected = [r["loss"] for r in records(uninterrupted["run"])]
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, STEPS + 1))
+    assert losses == expected, "the requeued job must end exactly where the uninterrupted one did"
+
+
+def test_submit_refuses_a_bad_config_without_queueing(slurm, corpus, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    result = submit(slurm, config, tmp_path / "logs", "model.num_attention_heads=3")
+    assert result.returncode == 2
+    assert "model.num_attention_heads" in result.stderr and "not submitted" in result.stderr
+    assert _run("squeue", "-h", "-n", "megatron-train", "-t", "PD,R", env=slurm).stdout.strip() == ""
+
+
+def test_sbatch_script_passes_shellcheck_style_syntax():
+    assert _run("bash", "-n", str(ROOT / "launch" / "slurm" / "pretrain.sbatch")).returncode == 0
