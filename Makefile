@@ -34,6 +34,7 @@ format: install
 
 bench: install
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/overhead.py
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/checkpoint_save.py model.preset=small
 
 clean:
 	rm -rf $(VENV) runs
