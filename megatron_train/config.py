@@ -449,11 +449,15 @@ def validate(cfg: ExperimentConfig, world_size: int) -> None:
     vpp = p.virtual_pipeline or 1
     if p.virtual_pipeline is not None and p.virtual_pipeline < 1:
         raise ConfigError("parallel.virtual_pipeline", "must be >= 1", "set it to null or >= 1")
-    if vpp > 1 and p.pipeline < 2:
+    if vpp > 1 and p.pipeline < 3:
+        # With two stages a rank's previous and next stage are the same peer, and megatron's
+        # batched p2p then matches same-shaped activations and gradients by posting order:
+        # they can swap silently (measured: losses off by 1e-3 from step 1). Megatron-LM
+        # rejects this layout too.
         raise ConfigError(
             "parallel.virtual_pipeline",
-            "the interleaved schedule needs parallel.pipeline >= 2",
-            "set parallel.virtual_pipeline to null or raise parallel.pipeline",
+            f"the interleaved schedule needs parallel.pipeline >= 3, got {p.pipeline}",
+            "set parallel.virtual_pipeline to null or use 3 or more pipeline stages",
         )
     if m.num_layers % (p.pipeline * vpp):
         raise ConfigError(

@@ -62,10 +62,19 @@ def metric_lines(run_dir: Path) -> list[tuple]:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in records(run_dir)]
 
 
+# PP and VPP, and DP > 1 (tests/test_slurm.py adds TP2 x PP2 across two nodes).
 EXACT_LAYOUTS = [
-    ("pp2", 2, ["parallel.pipeline=2"]),
     ("dp2", 2, []),
-    ("vpp2", 2, ["parallel.pipeline=2", "parallel.virtual_pipeline=2"]),
+    (
+        "pp4vpp2",
+        4,
+        [
+            "parallel.pipeline=4",
+            "parallel.virtual_pipeline=2",
+            "model.num_layers=8",
+            "train.micro_batch_size=1",
+        ],
+    ),
 ]
 
 
