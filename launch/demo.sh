@@ -12,5 +12,6 @@ if [ ! -f "$DATA/stdlib_text_document.idx" ]; then
     python tools/preprocess_data.py --input "$DATA/stdlib.jsonl" --output-prefix "$DATA/stdlib_text_document" \
         --tokenizer "$DATA/spm.model" --workers 2
 fi
-rm -f runs/demo/metrics.jsonl
+# Each demo starts fresh (launch/local.sh with the same config resumes instead).
+rm -rf runs/demo/metrics.jsonl runs/demo/checkpoints
 exec bash launch/local.sh 8 --config configs/demo.yaml "$@"

@@ -89,7 +89,7 @@ class Checkpointer:
         path = files.iteration_dir(self.save_dir, iteration)
         if self.is_main:
             if path.exists():
-                # Only a torn save can be here: a complete one at this step means we resumed past it.
+                # A torn save, or (checkpoint.load=none) an older run's step that this run replaces.
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         torch.distributed.barrier()
