@@ -9,11 +9,9 @@ Exit codes: 0 ready, 2 a problem (one line naming it and the fix).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatron_train.config import ConfigError, ExperimentConfig, checkpoint_dir, padded_vocab_size
 
@@ -79,44 +77,31 @@ def check_save_dir(cfg: ExperimentConfig) -> None:
 def check_resume(cfg: ExperimentConfig) -> str:
     """The checkpoint a job would resume from is complete and was trained with the same model."""
     from megatron_train.checkpoint import files
+    from megatron_train.checkpoint.state import read_common
 
-    load = cfg.checkpoint.load
-    if load == "none":
-        return "starts fresh (checkpoint.load=none)"
     try:
-        if load == "auto":
-            point = files.find_latest_complete(checkpoint_dir(cfg))
-            if point.path is None:
-                return "starts fresh (no complete checkpoint yet)"
-            path = point.path
-        else:
-            path = files.resolve_explicit(Path(load))
+        decision = files.resolve_load(cfg.checkpoint.load, checkpoint_dir(cfg))
     except files.CheckpointError as err:
-        raise ConfigError("checkpoint.load", str(err), "point it at a complete checkpoint") from err
-    saved = _saved_model_config(path)
+        raise ConfigError(
+            "checkpoint.load", str(err), "point it at a complete checkpoint or set it to auto / none"
+        ) from err
+    if decision.path is None:
+        return "starts fresh (" + "; ".join(decision.notes) + ")"
+    saved = read_common(decision.path)["config"]["model"]
     ours = vars(cfg.model)
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "vocab_size", "vocab_pad_multiple", "tie_embeddings", "qkv_bias"):  # fmt: skip
         if saved.get(key) != ours[key]:
             raise ConfigError(
                 f"model.{key}",
-                f"is {ours[key]} but checkpoint {path} was trained with {saved.get(key)}",
+                f"is {ours[key]} but checkpoint {decision.path} was trained with {saved.get(key)}",
                 "use the checkpoint's model settings or another checkpoint",
             )
-    return f"resumes from {path}"
+    return f"resumes from {decision.path}"
 
 
-def _saved_model_config(path: Path) -> dict:
-    from megatron.core import dist_checkpointing
-
-    from megatron_train.checkpoint.safe_load import safe_unpickling
-
-    with safe_unpickling():
-        return dist_checkpointing.load_common_state_dict(str(path))["config"]["model"]
-
-
-def run(config: str, overrides: list[str], world_size: int) -> list[str]:
-    """All checks; returns the report lines or raises ConfigError."""
+def run(config: str, overrides: list[str], world_size: int) -> tuple[list[str], MemoryEstimate]:
+    """All checks; returns the report lines and the memory estimate, or raises ConfigError."""
     from megatron_train.train import resolve_config
 
     cfg = resolve_config(argparse.Namespace(config=config, overrides=overrides), world_size)
@@ -126,7 +111,7 @@ def run(config: str, overrides: list[str], world_size: int) -> list[str]:
     gib = 2**30
     p = cfg.parallel
     dp = world_size // (p.tensor * p.pipeline * p.context)
-    return [
+    lines = [
         f"layout: TP{p.tensor} x PP{p.pipeline} x CP{p.context} x DP{dp} = {world_size} ranks; "
         f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step",
         f"data: {len(cfg.data.blend)} blend entries found; the tokenizer fits "
@@ -136,6 +121,7 @@ def run(config: str, overrides: list[str], world_size: int) -> list[str]:
         f"{mem.grads / gib:.1f} + optimizer {mem.optimizer / gib:.1f} + activations "
         f"{mem.activations / gib:.1f} = {mem.total / gib:.1f} GiB",
     ]
+    return lines, mem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,16 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="warn above this (H100: 80)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        lines = run(args.config, args.overrides, args.nodes * args.gpus_per_node)
+        lines, mem = run(args.config, args.overrides, args.nodes * args.gpus_per_node)
     except ConfigError as err:
         print(f"preflight error: {err}", file=sys.stderr)
         return 2
     for line in lines:
         print(f"preflight: {line}")
-    total = float(lines[-1].rsplit("= ", 1)[1].split()[0])
-    if total > args.gpu_memory_gib:
+    if mem.total / 2**30 > args.gpu_memory_gib:
         print(
             f"preflight warning: the estimate exceeds {args.gpu_memory_gib:g} GiB per GPU; consider more "
             "tensor/pipeline parallelism, sequence parallelism or a smaller micro batch",

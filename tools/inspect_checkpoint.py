@@ -10,6 +10,7 @@ Nothing is unpickled beyond plain data and checkpoint metadata (see checkpoint/s
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -17,22 +18,10 @@ from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
 
 
-def _checkpoint_path(path: Path) -> Path:
-    if files.iteration_of(path) is not None or (path / files.RECORD).exists():
-        return path
-    dirs = files.checkpoint_dirs(path)
-    if not dirs:
-        raise CheckpointError(f"{path} is neither a checkpoint nor a save dir holding one")
-    return dirs[0]
-
-
 def _describe_common(path: Path) -> list[str]:
-    from megatron.core import dist_checkpointing
+    from megatron_train.checkpoint.state import read_common
 
-    from megatron_train.checkpoint.safe_load import safe_unpickling
-
-    with safe_unpickling():
-        common = dist_checkpointing.load_common_state_dict(str(path))
+    common = read_common(path)
     progress, layout, cfg = common["progress"], common["layout"], common["config"]
     m, t, o = cfg["model"], cfg["train"], cfg["optimizer"]
     return [
@@ -50,19 +39,13 @@ def _describe_common(path: Path) -> list[str]:
 
 
 def _describe_tensors(path: Path) -> list[str]:
-    from megatron.core import dist_checkpointing
+    from megatron_train.checkpoint.state import read_tensor_metadata
 
-    from megatron_train.checkpoint.safe_load import safe_unpickling
-
-    with safe_unpickling():
-        tensors = dist_checkpointing.load_tensors_metadata(str(path))
+    tensors = read_tensor_metadata(path)
     lines, total = [], 0
     for key in sorted(tensors):
         shard = tensors[key]
-        numel = 1
-        for dim in shard.global_shape:
-            numel *= dim
-        total += numel
+        total += math.prod(shard.global_shape)
         dtype = str(shard.dtype).removeprefix("torch.")
         lines.append(f"  {key:<72} {str(tuple(shard.global_shape)):<22} {dtype}")
     return [f"tensors ({len(tensors)}, {total:,} elements):", *lines]
@@ -75,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tensors", action="store_true", help="skip the tensor listing")
     args = parser.parse_args(argv)
     try:
-        path = _checkpoint_path(args.path)
+        path = files.locate(args.path)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -85,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         print(f"status:      INCOMPLETE OR CORRUPTED: {err}")
         return 1
-    size = sum(entry["size"] for entry in record["files"].values())
+    size = files.total_size(record)
     checked = "sizes and SHA-256 verified" if args.verify_checksums else "sizes verified"
     print(f"status:      complete ({len(record['files'])} files, {size / 2**20:.1f} MiB; {checked})")
     for line in _describe_common(path):

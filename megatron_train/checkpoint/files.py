@@ -80,6 +80,11 @@ def write_completion_record(ckpt_dir: Path, iteration: int, checksums: bool, ext
     return record
 
 
+def total_size(record: dict) -> int:
+    """Bytes of all files a completion record lists."""
+    return sum(entry["size"] for entry in record["files"].values())
+
+
 def read_record(ckpt_dir: Path) -> dict:
     """The completion record, or CheckpointError when it is missing or unreadable."""
     path = Path(ckpt_dir) / RECORD
@@ -148,22 +153,48 @@ def find_latest_complete(save_dir: Path, checksums: bool = False) -> ResumePoint
     return ResumePoint(None, skipped)
 
 
-def resolve_explicit(path: Path, checksums: bool = False) -> Path:
-    """An explicitly requested checkpoint: an ``iter_*`` dir, or a save dir whose newest checkpoint
-    must be complete. Anything else is a CheckpointError (never a silent fresh start)."""
+def locate(path: Path) -> Path:
+    """The checkpoint ``path`` names: itself when it is one (``iter_*`` or holding a record),
+    otherwise the newest ``iter_*`` in it (a save dir), complete or not."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint.load={str(path)!r} does not exist")
+        raise CheckpointError(f"{str(path)!r} does not exist")
     if iteration_of(path) is not None or (path / RECORD).exists():
-        verify(path, checksums)
         return path
     dirs = checkpoint_dirs(path)
     if not dirs:
-        raise CheckpointError(
-            f"checkpoint.load={str(path)!r} is neither a checkpoint nor a save dir holding one"
-        )
-    verify(dirs[0], checksums)
+        raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a save dir holding one")
     return dirs[0]
+
+
+def resolve_explicit(path: Path, checksums: bool = False) -> Path:
+    """An explicitly requested checkpoint, which must be complete: an ``iter_*`` dir, or a save dir
+    whose newest checkpoint is. Anything else is a CheckpointError (never a silent fresh start)."""
+    found = locate(path)
+    verify(found, checksums)
+    return found
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    """Where a run starts from (None: fresh weights), and what to tell the user about it."""
+
+    path: Path | None
+    notes: list[str]
+
+
+def resolve_load(load: str, save_dir: Path, checksums: bool = False) -> LoadDecision:
+    """Apply ``checkpoint.load``: ``none``, ``auto`` (newest complete checkpoint in ``save_dir``,
+    torn newer ones reported) or an explicit path (must be complete, else CheckpointError)."""
+    if load == "none":
+        return LoadDecision(None, ["checkpoint.load=none: starting from freshly initialised weights"])
+    if load == "auto":
+        point = find_latest_complete(save_dir, checksums)
+        notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
+        if point.path is None:
+            notes.append(f"no complete checkpoint in {save_dir}: starting fresh")
+        return LoadDecision(point.path, notes)
+    return LoadDecision(resolve_explicit(Path(load), checksums), [])
 
 
 def update_tracker(save_dir: Path, iteration: int) -> None:

@@ -25,7 +25,6 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron_train import __version__
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
-from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.checkpoint.state import (
     Layout,
     Progress,
@@ -34,14 +33,13 @@ from megatron_train.checkpoint.state import (
     load_model,
     load_optimizer,
     model_state,
+    read_common,
+    read_sharded,
+    read_tensor_metadata,
     restore_rng,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
 from megatron_train.stopping import STOP_SIGNALS
-
-
-def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def _ignore_stop_signals() -> None:
@@ -117,12 +115,12 @@ class Checkpointer:
     def _record(self, iteration: int, path: Path, start: float) -> None:
         try:
             extra = {"version": __version__, "layout": vars(Layout.current())}
-            files.write_completion_record(path, iteration, self.options.checksums, extra)
+            record = files.write_completion_record(path, iteration, self.options.checksums, extra)
             files.update_tracker(self.save_dir, iteration)
             removed = files.apply_retention(self.save_dir, self.options.keep_last, self.options.keep_every)
             gone = f"; removed {', '.join(p.name for p in removed)}" if removed else ""
             self.log(
-                f"checkpoint step {iteration} complete: {path} ({_dir_size(path) / 2**20:.1f} MiB, "
+                f"checkpoint step {iteration} complete: {path} ({files.total_size(record) / 2**20:.1f} MiB, "
                 f"{time.perf_counter() - start:.2f} s from start to record){gone}"
             )
         except BaseException as err:  # re-raised on the training thread by wait()
@@ -162,20 +160,11 @@ class Checkpointer:
     # -- resuming -------------------------------------------------------------------------
 
     def _resolve_on_main(self) -> tuple[str | None, list[str], str | None]:
-        load, checksums = self.options.load, self.options.verify_checksums
-        if load == "none":
-            return None, ["checkpoint.load=none: starting from freshly initialised weights"], None
-        if load == "auto":
-            point = files.find_latest_complete(self.save_dir, checksums)
-            notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
-            if point.path is None:
-                notes.append(f"no complete checkpoint in {self.save_dir}: starting fresh")
-                return None, notes, None
-            return str(point.path), notes, None
         try:
-            return str(files.resolve_explicit(Path(load), checksums)), [], None
+            decision = files.resolve_load(self.options.load, self.save_dir, self.options.verify_checksums)
         except CheckpointError as err:
-            return None, [], f"{err}. Fix checkpoint.load (or set it to auto / none)"
+            return None, [], f"checkpoint.load: {err}. Fix checkpoint.load (or set it to auto / none)"
+        return (str(decision.path) if decision.path else None), decision.notes, None
 
     def resolve(self) -> Path | None:
         """The checkpoint to start from (decided on rank 0, agreed by all); None starts fresh."""
@@ -190,22 +179,17 @@ class Checkpointer:
 
     def load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
-        with safe_unpickling():
-            common = dist_checkpointing.load_common_state_dict(str(path))
-            saved_tensors = dist_checkpointing.load_tensors_metadata(str(path))
-        check_architecture(model_state(model), saved_tensors)
-        saved, now = Layout(**common["layout"]), Layout.current()
+        check_architecture(model_state(model), read_tensor_metadata(path))
+        saved, now = Layout(**read_common(path)["layout"]), Layout.current()
         if self.options.finetune:
-            with safe_unpickling():
-                loaded = dist_checkpointing.load(model_state(model), str(path))
+            loaded = read_sharded(model_state(model), path)
             load_model(model, loaded)
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
             return Progress(iteration=0, consumed_samples=0)
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True)
         if saved != now:
             del state["rng_state"]
-        with safe_unpickling():
-            loaded = dist_checkpointing.load(state, str(path))
+        loaded = read_sharded(state, path)
         load_model(model, loaded)
         load_optimizer(optimizer, loaded["optimizer"])
         scheduler.load_state_dict(loaded["scheduler"])

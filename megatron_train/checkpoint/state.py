@@ -13,15 +13,17 @@ import contextlib
 import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_train.checkpoint.files import CheckpointError
+from megatron_train.checkpoint.safe_load import safe_unpickling
 
 _OPTIMIZER_METADATA = {
     # Canonical per-parameter optimizer state: loadable at any DP / TP / PP.
@@ -93,6 +95,24 @@ def restore_rng(state: dict) -> None:
 def _model_metadata() -> dict:
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return {**_OPTIMIZER_METADATA, "dp_cp_group": dp_cp_group}
+
+
+def read_common(path: Path) -> dict:
+    """A checkpoint's common state (progress, layout, config, scheduler, version), loaded safely."""
+    with safe_unpickling():
+        return dist_checkpointing.load_common_state_dict(str(path))
+
+
+def read_tensor_metadata(path: Path) -> dict[str, ShardedTensor]:
+    """Every saved tensor's key, global shape and dtype (no data read), loaded safely."""
+    with safe_unpickling():
+        return dist_checkpointing.load_tensors_metadata(str(path))
+
+
+def read_sharded(sharded_state: dict, path: Path) -> dict:
+    """Load the tensors and objects ``sharded_state`` asks for (any layout), safely."""
+    with safe_unpickling():
+        return dist_checkpointing.load(sharded_state, str(path))
 
 
 def _unwrap(chunk):
