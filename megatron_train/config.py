@@ -392,6 +392,11 @@ def padded_vocab_size(cfg: ExperimentConfig) -> int:
     return math.ceil(cfg.model.vocab_size / multiple) * multiple
 
 
+def _require_at_least(minimum: float, key: str, value: float, allowed: str) -> None:
+    if value < minimum:
+        raise ConfigError(key, f"must be >= {minimum}, got {value}", f"set {key} to {allowed}")
+
+
 def validate(cfg: ExperimentConfig, world_size: int) -> None:
     """Reject impossible layouts and inconsistent options before any heavy work."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
@@ -409,8 +414,7 @@ def validate(cfg: ExperimentConfig, world_size: int) -> None:
         ("data.seq_length", d.seq_length),
         ("logging.log_interval", t.steps and cfg.logging.log_interval),
     ]:
-        if value < 1:
-            raise ConfigError(key, f"must be >= 1, got {value}", f"set {key} to a positive integer")
+        _require_at_least(1, key, value, "a positive integer")
     model_parallel = p.tensor * p.pipeline * p.context
     if world_size % model_parallel:
         raise ConfigError(
@@ -522,8 +526,7 @@ def validate(cfg: ExperimentConfig, world_size: int) -> None:
         ("checkpoint.keep_every", c.keep_every),
         ("train.exit_after_minutes", t.exit_after_minutes),
     ]:
-        if value < 0:
-            raise ConfigError(key, f"must be >= 0, got {value}", f"set {key} to 0 (off) or a positive value")
+        _require_at_least(0, key, value, "0 (off) or a positive value")
     if c.finetune and c.load in ("auto", "none"):
         raise ConfigError(
             "checkpoint.finetune",

@@ -219,7 +219,8 @@ def report_exit_status(code: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
-    report_exit_status(code)
+    if code not in (EXIT_OK, EXIT_STOPPED_EARLY):  # those were reported before the final barrier
+        report_exit_status(code)
     return code
 
 

@@ -87,7 +87,7 @@ def test_explicit_paths_must_be_complete(tmp_path):
         files.resolve_explicit(tmp_path / "empty")
 
 
-def test_tracker_is_replaced_atomically(tmp_path):
+def test_tracker_update_overwrites_and_leaves_no_temp_files(tmp_path):
     files.update_tracker(tmp_path, 7)
     files.update_tracker(tmp_path, 8)
     assert (tmp_path / files.TRACKER).read_text() == "8\n"

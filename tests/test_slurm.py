@@ -195,5 +195,5 @@ def test_submit_refuses_a_bad_config_without_queueing(slurm, corpus, tmp_path):
     assert _run("squeue", "-h", "-n", "megatron-train", "-t", "PD,R", env=slurm).stdout.strip() == ""
 
 
-def test_sbatch_script_passes_shellcheck_style_syntax():
+def test_sbatch_script_is_valid_bash():
     assert _run("bash", "-n", str(ROOT / "launch" / "slurm" / "pretrain.sbatch")).returncode == 0
