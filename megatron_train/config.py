@@ -398,7 +398,13 @@ def _require_at_least(minimum: float, key: str, value: float, allowed: str) -> N
 
 
 def validate(cfg: ExperimentConfig, world_size: int) -> None:
-    """Reject impossible layouts and inconsistent options before any heavy work."""
+    """Reject impossible layouts, inconsistent options and missing inputs before any heavy work."""
+    validate_options(cfg, world_size)
+    validate_inputs(cfg)
+
+
+def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
+    """Reject impossible layouts and inconsistent options (no files are looked at)."""
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     for key, value in [
         ("parallel.tensor", p.tensor),
@@ -533,6 +539,11 @@ def validate(cfg: ExperimentConfig, world_size: int) -> None:
             "needs a checkpoint to take weights from",
             "set checkpoint.load to its path",
         )
+
+
+def validate_inputs(cfg: ExperimentConfig) -> None:
+    """The training data and tokenizer the config names exist."""
+    d = cfg.data
     if not d.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     if d.tokenizer.path is None:

@@ -109,10 +109,13 @@ def read_tensor_metadata(path: Path) -> dict[str, ShardedTensor]:
         return dist_checkpointing.load_tensors_metadata(str(path))
 
 
-def read_sharded(sharded_state: dict, path: Path) -> dict:
-    """Load the tensors and objects ``sharded_state`` asks for (any layout), safely."""
+def read_sharded(sharded_state: dict, path: Path, partial: bool = False) -> dict:
+    """Load the tensors and objects ``sharded_state`` asks for (any layout), safely.
+
+    ``partial`` allows asking for part of a tensor (one layer, say), which megatron's check
+    that the job's requests cover every tensor would otherwise refuse."""
     with safe_unpickling():
-        return dist_checkpointing.load(sharded_state, str(path))
+        return dist_checkpointing.load(sharded_state, str(path), validate_access_integrity=not partial)
 
 
 def _unwrap(chunk):
@@ -227,6 +230,25 @@ def check_architecture(model_sharded: dict, saved: dict[str, ShardedTensor]) -> 
                 f"{tuple(saved[key].global_shape)}, model shape {tuple(shard.global_shape)}; "
                 "load it into a model with the same config"
             )
+
+
+def weights_state(model: list) -> dict:
+    """:func:`model_state` without the layers' ``_extra_state`` (FP8 metadata, no weights): what a
+    weights-only checkpoint (an imported one) holds and what fine-tuning needs."""
+    return {
+        name: {k: v for k, v in sharded.items() if not k.endswith("._extra_state")}
+        for name, sharded in model_state(model).items()
+    }
+
+
+def load_weights(model: list, loaded: dict) -> None:
+    """Copy the tensors of :func:`weights_state` into the chunks; every weight must be present."""
+    for i, chunk in enumerate(model):
+        state = loaded["model"] if len(model) == 1 else loaded[f"model{i}"]
+        missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False)
+        problems = [k for k in missing if not k.endswith("._extra_state")] + list(unexpected)
+        if problems:
+            raise CheckpointError(f"the checkpoint's weights do not fit the model: {problems[:5]}")
 
 
 def load_model(model: list, loaded: dict) -> None:

@@ -1,0 +1,84 @@
+"""Write a weights-only checkpoint in megatron's torch_dist format, one layer of one tensor at a time.
+
+``dist_checkpointing.save`` needs every tensor in memory at once, which for an imported 70B model
+is the whole model. The files it writes are PyTorch Distributed Checkpoint (DCP) files plus
+megatron's ``metadata.json`` and ``common.pt``, so we write the same: a DCP save whose planner
+declares each per-layer slice as a chunk of the stacked global tensor (as a pipeline-parallel
+save would) and produces its data only when the writer asks (``SavePlanner.resolve_data``, the
+hook DCP provides for lazy data). One file per chunk keeps the writer from holding a file's
+tensors together. megatron's loader then reads it at any TP / PP like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from megatron_train.hf.weights import Tensor
+
+Produce = Callable[[str, int | None], torch.Tensor]
+
+
+class _LazyPlanner(DefaultSavePlanner):
+    def __init__(self, items: list[WriteItem], layered: dict[str, bool], produce: Produce) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._items, self._layered, self._produce = items, layered, produce
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self._items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        key = write_item.index.fqn
+        if not self._layered[key]:
+            return self._produce(key, None)
+        return self._produce(key, write_item.tensor_data.chunk.offsets[0]).unsqueeze(0)
+
+
+def _write_items(tensors: list[Tensor], num_layers: int, dtype: torch.dtype) -> list[WriteItem]:
+    properties = TensorProperties(dtype=dtype)
+    items = []
+    for t in tensors:
+        size = torch.Size((num_layers, *t.shape) if t.per_layer else t.shape)
+        layers = range(num_layers) if t.per_layer else [None]
+        for layer in layers:
+            offsets = torch.Size((layer, *[0] * len(t.shape)) if t.per_layer else [0] * len(t.shape))
+            sizes = torch.Size((1, *t.shape) if t.per_layer else t.shape)
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(t.key, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), properties, size),
+                )
+            )
+    return items
+
+
+def save_weights(
+    ckpt_dir: Path, tensors: list[Tensor], num_layers: int, dtype: torch.dtype, produce: Produce, common: dict
+) -> None:
+    """Write ``tensors`` (each layer from ``produce(key, layer)``) and ``common`` to ``ckpt_dir``.
+
+    Tensors are keyed by their sharded keys, as in a training checkpoint; ``common`` is the
+    non-tensor state (config, progress, layout...). Needs a (one-rank) process group.
+    """
+    ckpt_dir.mkdir(parents=True)
+
+    def produce_cast(key: str, layer: int | None) -> torch.Tensor:
+        return produce(key, layer).to(dtype).contiguous()
+
+    planner = _LazyPlanner(
+        _write_items(tensors, num_layers, dtype), {t.key: t.per_layer for t in tensors}, produce_cast
+    )
+    writer = dcp.FileSystemWriter(str(ckpt_dir), single_file_per_rank=False, thread_count=1)
+    dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    TorchCommonSaveStrategy("torch", 1).save_common(common, ckpt_dir)
+    save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(ckpt_dir))

@@ -1,0 +1,157 @@
+"""Hugging Face ``config.json`` <-> our ``model.*`` options, for the Llama-family decoders.
+
+Only what megatron-core's GPTModel computes identically is accepted; anything else (another
+activation, biases outside QKV, an unsupported RoPE variant) is refused here with the field that
+differs, instead of producing a model that silently disagrees with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+# megatron-core's Llama-3.1 RoPE scaling hard-codes these (rotary_pos_embedding._apply_scaling).
+_LLAMA3_ROPE_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Architecture-defining model options: taken from config.json, never from defaults.
+ARCHITECTURE_KEYS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "max_position_embeddings", "vocab_size", "norm_eps", "rotary_base",
+    "rope_scaling", "rope_scaling_factor", "tie_embeddings", "qkv_bias",
+)  # fmt: skip
+
+
+class ConversionError(ValueError):
+    """Input a conversion cannot handle; the message names the problem and the fix."""
+
+
+def is_hf_model_dir(path: Path) -> bool:
+    """A directory holding a transformers ``config.json`` and safetensors weights."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """The parsed ``config.json`` of a Hugging Face model directory."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{path} does not exist: --hf must be a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{path} is not valid JSON ({err})") from err
+
+
+def family(hf: dict) -> str:
+    """``llama``, ``mistral`` or ``qwen2``; ConversionError for anything else."""
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ConversionError(
+            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[archs[0]]
+
+
+def hf_dtype(hf: dict) -> torch.dtype | None:
+    """The weights' dtype config.json declares (``dtype`` or the older ``torch_dtype``)."""
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    return getattr(torch, name) if isinstance(name, str) else None
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from transformers 5's ``rope_parameters`` or 4's fields."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = None if params.get("rope_type", "default") == "default" else params
+        return params.get("rope_theta", 10000.0), scaling
+    return hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+
+
+def _refuse(field: str, value, why: str) -> None:
+    raise ConversionError(f"config.json {field}={value!r}: {why}")
+
+
+def model_options(hf: dict) -> dict:
+    """Our ``model.*`` architecture options for a supported config.json."""
+    kind = family(hf)
+    if hf.get("hidden_act", "silu") != "silu":
+        _refuse("hidden_act", hf["hidden_act"], "only SwiGLU (silu) MLPs are supported")
+    if hf.get("mlp_bias"):
+        _refuse("mlp_bias", True, "MLP biases are not supported")
+    if kind == "llama" and hf.get("attention_bias"):
+        _refuse("attention_bias", True, "Llama attention biases include o_proj, which GPTModel lacks")
+    theta, scaling = _rope(hf)
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type != "llama3":
+            _refuse("rope_scaling", scaling, "only Llama-3.1 ('llama3') RoPE scaling is supported")
+        for key, fixed in _LLAMA3_ROPE_FIXED.items():
+            if float(scaling.get(key, fixed)) != fixed:
+                _refuse(f"rope_scaling.{key}", scaling[key], f"megatron-core fixes it at {fixed:g}")
+    if float(theta) != int(theta):
+        _refuse("rope_theta", theta, "a non-integer RoPE base is not supported")
+    heads = hf["num_attention_heads"]
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "max_position_embeddings": hf["max_position_embeddings"],
+        "vocab_size": hf["vocab_size"],
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rotary_base": int(theta),
+        "rope_scaling": scaling is not None,
+        "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qkv_bias": kind == "qwen2",
+    }
+
+
+def caveats(hf: dict) -> list[str]:
+    """Differences that only matter past some length (reported, not refused)."""
+    window = hf.get("sliding_window")
+    uses_window = hf.get("use_sliding_window", family(hf) == "mistral")
+    if window and uses_window:
+        return [f"sliding_window={window} is not modelled: outputs match for sequences up to {window} tokens"]
+    return []
+
+
+def hf_config(model: dict, dtype: torch.dtype) -> dict:
+    """A transformers config.json for a model we trained from scratch (Qwen2 when QKV has biases)."""
+    import transformers
+
+    common = dict(
+        vocab_size=model["vocab_size"],
+        hidden_size=model["hidden_size"],
+        intermediate_size=model["ffn_hidden_size"],
+        num_hidden_layers=model["num_layers"],
+        num_attention_heads=model["num_attention_heads"],
+        num_key_value_heads=model["num_query_groups"] or model["num_attention_heads"],
+        head_dim=model["kv_channels"] or model["hidden_size"] // model["num_attention_heads"],
+        max_position_embeddings=model["max_position_embeddings"],
+        rms_norm_eps=model["norm_eps"],
+        tie_word_embeddings=model["tie_embeddings"],
+        hidden_act="silu",
+    )
+    rope = {"rope_type": "default", "rope_theta": float(model["rotary_base"])}
+    if model["rope_scaling"]:
+        rope = {**rope, "rope_type": "llama3", "factor": model["rope_scaling_factor"], **_LLAMA3_ROPE_FIXED}
+    if model["qkv_bias"]:
+        config = transformers.Qwen2Config(**common, rope_parameters=rope)
+        config.architectures = ["Qwen2ForCausalLM"]
+    else:
+        config = transformers.LlamaConfig(**common, rope_parameters=rope)
+        config.architectures = ["LlamaForCausalLM"]
+    config.dtype = str(dtype).removeprefix("torch.")
+    return config.to_dict()

@@ -1,0 +1,230 @@
+"""Hugging Face model directory <-> megatron-train checkpoint, streaming tensor by tensor.
+
+An imported checkpoint is a normal (weights-only) megatron-train checkpoint: ``<out>/iter_0000000``
+with torch_dist files, a completion record, and ``hf/`` holding the original ``config.json``
+and tokenizer files, which export copies back unchanged. Both directions write into a temporary
+sibling directory and rename it into place, so ``--out`` is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from megatron_train import __version__
+from megatron_train.checkpoint import files
+from megatron_train.config import ExperimentConfig, ModelConfig, ParallelConfig, to_dict, validate_options
+from megatron_train.hf import architecture
+from megatron_train.hf.architecture import ConversionError
+from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, plan_shards, write_index, write_shard
+from megatron_train.hf.weights import Dims, export_plan, hf_shapes, megatron_tensors, to_hf, to_megatron
+
+SIDE_DIR = "hf"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+
+
+@contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A temporary directory beside ``out`` that becomes ``out`` only if the body succeeds."""
+    out = Path(out)
+    if out.exists():
+        raise ConversionError(f"{out} already exists; choose another output directory or remove it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _side_files(hf_dir: Path) -> list[Path]:
+    """config.json, tokenizer and generation files: everything but the weights."""
+    return sorted(
+        p for p in Path(hf_dir).iterdir()
+        if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name != INDEX
+    )  # fmt: skip
+
+
+def _check_dtype(hf: dict, weights: HFWeights) -> torch.dtype:
+    found = weights.dtypes()
+    names = {v: k for k, v in DTYPES.items()}
+    if len(found) != 1 or next(iter(found)) not in names:
+        raise ConversionError(
+            f"the weights have dtype(s) {sorted(found)}; expected one of {sorted(names)} throughout"
+        )
+    dtype = names[next(iter(found))]
+    declared = architecture.hf_dtype(hf)
+    if declared is not None and declared != dtype:
+        raise ConversionError(
+            f"config.json declares dtype {str(declared).removeprefix('torch.')} but the safetensors hold "
+            f"{str(dtype).removeprefix('torch.')}; fix config.json's dtype / torch_dtype"
+        )
+    return dtype
+
+
+def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
+    """Whether tokenizer files are present; their vocabulary must fit the embedding."""
+    if not any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return False
+    import transformers
+
+    tokens = len(transformers.AutoTokenizer.from_pretrained(str(hf_dir)))
+    if tokens > vocab_size:
+        raise ConversionError(
+            f"the tokenizer in {hf_dir} has {tokens} tokens but config.json's vocab_size is {vocab_size}; "
+            "the weights and tokenizer belong to different models"
+        )
+    return True
+
+
+def imported_config(hf_dir: Path, tensor: int, pipeline: int, vocab_pad_multiple: int) -> ExperimentConfig:
+    """Our config for a Hugging Face model at a TP / PP layout (ConfigError if impossible)."""
+    hf = architecture.read_hf_config(hf_dir)
+    model = ModelConfig(**architecture.model_options(hf), vocab_pad_multiple=vocab_pad_multiple)
+    cfg = ExperimentConfig(model=model, parallel=ParallelConfig(tensor=tensor, pipeline=pipeline))
+    cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
+    validate_options(cfg, tensor * pipeline)
+    return cfg
+
+
+def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab_pad_multiple: int = 128,
+              log: Callable[[str], None] = print) -> Path:  # fmt: skip
+    """Convert a Hugging Face model directory into a checkpoint under ``out``; returns its path."""
+    from megatron_train.checkpoint.state import Layout, Progress
+    from megatron_train.checkpoint.streaming_save import save_weights
+
+    hf_dir = Path(hf_dir)
+    hf = architecture.read_hf_config(hf_dir)
+    cfg = imported_config(hf_dir, tensor, pipeline, vocab_pad_multiple)
+    weights = HFWeights(hf_dir)
+    dtype = _check_dtype(hf, weights)
+    if _check_tokenizer(hf_dir, cfg.model.vocab_size):
+        cfg.data.tokenizer.type = "huggingface"
+    for caveat in architecture.caveats(hf):
+        log(f"note: {caveat}")
+    dims = Dims.from_model(vars(cfg.model))
+    with _staging(out) as tmp:
+        ckpt = files.iteration_dir(tmp, 0)
+        final_ckpt = files.iteration_dir(Path(out), 0)
+        if cfg.data.tokenizer.type == "huggingface":
+            cfg.data.tokenizer.path = str(final_ckpt / SIDE_DIR)
+        layout = Layout(tensor, pipeline, virtual_pipeline=1, data=1, world_size=tensor * pipeline)
+        common = {
+            "config": to_dict(cfg),
+            "layout": vars(layout),
+            "progress": asdict(Progress(iteration=0, consumed_samples=0)),
+            "version": __version__,
+            "weights_only": True,
+        }
+        save_weights(
+            ckpt, megatron_tensors(dims), dims.num_layers, dtype,
+            lambda key, layer: to_megatron(dims, key, layer, weights.get), common,
+        )  # fmt: skip
+        (ckpt / SIDE_DIR).mkdir()
+        for path in _side_files(hf_dir):
+            shutil.copy2(path, ckpt / SIDE_DIR / path.name)
+        record_extra = {"version": __version__, "layout": vars(layout)}
+        files.write_completion_record(ckpt, 0, checksums=True, extra=record_extra)
+        files.update_tracker(tmp, 0)
+    log(
+        f"imported {architecture.family(hf)} model ({dims.num_layers} layers, hidden {dims.hidden}, "
+        f"vocab {dims.vocab} padded to {dims.padded_vocab}, {str(dtype).removeprefix('torch.')}) "
+        f"-> {final_ckpt}"
+    )
+    return final_ckpt
+
+
+class _CheckpointTensors:
+    """One layer of one tensor at a time from a checkpoint, converted to transformers' tensors."""
+
+    def __init__(self, path: Path, dims: Dims) -> None:
+        from megatron_train.checkpoint.state import read_tensor_metadata
+
+        self.path, self.dims = path, dims
+        self.saved = read_tensor_metadata(path)
+        self.names = {name: (key, layer) for key, layer, names in export_plan(dims) for name in names}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def _read(self, key: str, layer: int | None) -> torch.Tensor:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        from megatron_train.checkpoint.state import read_sharded
+
+        meta = self.saved[key]
+        shape = tuple(meta.global_shape)
+        if layer is None:
+            request = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=meta.dtype), replica_id=0)
+        else:
+            data = torch.empty((1, *shape[1:]), dtype=meta.dtype)
+            request = ShardedTensor.from_rank_offsets(key, data, (0, layer, shape[0]), replica_id=0)
+        loaded = read_sharded({"t": request}, self.path, partial=True)["t"]
+        return loaded[0] if layer is not None else loaded
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._pending:
+            key, layer = self.names[name]
+            self._pending = to_hf(self.dims, key, layer, self._read(key, layer))
+        return self._pending.pop(name)
+
+
+def _hf_side(path: Path, common: dict, dtype: torch.dtype | None, out: Path) -> torch.dtype:
+    """Write config.json and tokenizer files into ``out``; returns the weights' dtype."""
+    side = path / SIDE_DIR
+    if side.is_dir():
+        for f in sorted(side.iterdir()):
+            shutil.copy2(f, out / f.name)
+        hf = json.loads((side / "config.json").read_text())
+        return dtype or architecture.hf_dtype(hf) or torch.float32
+    model = common["config"]["model"]
+    dtype = dtype or torch.bfloat16
+    (out / "config.json").write_text(json.dumps(architecture.hf_config(model, dtype), indent=2) + "\n")
+    _export_tokenizer(common["config"]["data"]["tokenizer"], out)
+    return dtype
+
+
+def _export_tokenizer(tokenizer: dict, out: Path) -> None:
+    import transformers
+
+    path = tokenizer.get("path")
+    if not path or not Path(path).exists():
+        return
+    if tokenizer["type"] == "huggingface":
+        transformers.AutoTokenizer.from_pretrained(path).save_pretrained(str(out))
+    else:
+        transformers.LlamaTokenizer(vocab_file=path).save_pretrained(str(out))
+
+
+def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+              log: Callable[[str], None] = print) -> Path:  # fmt: skip
+    """Write a checkpoint as a transformers model directory ``out``; returns ``out``."""
+    from megatron_train.checkpoint.state import read_common
+
+    path = files.resolve_explicit(Path(ckpt))
+    common = read_common(path)
+    dims = Dims.from_model(common["config"]["model"])
+    shapes = hf_shapes(dims)
+    with _staging(out) as tmp:
+        dtype = _hf_side(path, common, dtype, tmp)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        sizes = {name: itemsize * torch.Size(shape).numel() for name, shape in shapes.items()}
+        shards = plan_shards(sizes, max_shard_bytes)
+        if len(shards) == 1:
+            shard_names = ["model.safetensors"]
+        else:
+            shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            write_index(tmp, shard_names, shards, sum(sizes.values()))
+        source = _CheckpointTensors(path, dims)
+        for file, names in zip(shard_names, shards):
+            write_shard(tmp / file, names, shapes, dtype, source)
+    log(f"exported {path} -> {out} ({len(shards)} shard(s), {str(dtype).removeprefix('torch.')})")
+    return Path(out)

@@ -1,0 +1,116 @@
+"""Reading and writing Hugging Face safetensors shards one tensor at a time.
+
+Reading goes through ``safetensors.safe_open`` (memory-mapped, one tensor materialised per
+call). Writing streams too: ``safetensors.torch.save_file`` would hold a whole shard plus a byte
+copy of it, so shards are written as header + tensors in sequence, in the format safetensors
+documents (8-byte little-endian header length, JSON header of dtype/shape/offsets, raw data).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from megatron_train.hf.architecture import ConversionError
+
+INDEX = "model.safetensors.index.json"
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class HFWeights:
+    """The tensors of a Hugging Face model directory, found through its shard index."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        self.dir = Path(hf_dir)
+        index = self.dir / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        else:
+            shards = sorted(self.dir.glob("*.safetensors"))
+            if len(shards) != 1:
+                raise ConversionError(
+                    f"{self.dir} has {len(shards)} .safetensors files and no {INDEX}; "
+                    "expected model.safetensors or an index naming the shards"
+                )
+            with safe_open(shards[0], "pt") as f:
+                weight_map = {name: shards[0].name for name in f.keys()}
+        missing = sorted({s for s in weight_map.values() if not (self.dir / s).is_file()})
+        if missing:
+            raise ConversionError(f"{self.dir} lacks shard file(s) {', '.join(missing)} named in {INDEX}")
+        self.weight_map: dict[str, str] = weight_map
+        self._open: dict[str, object] = {}
+
+    def _file(self, shard: str):
+        # At most two shards stay mapped: their touched pages count towards RSS until unmapped.
+        if shard not in self._open:
+            if len(self._open) == 2:
+                del self._open[next(iter(self._open))]
+            self._open[shard] = safe_open(self.dir / shard, "pt")
+        return self._open[shard]
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard."""
+        if name not in self.weight_map:
+            raise ConversionError(f"tensor {name!r} is missing from {self.dir} (incomplete download?)")
+        return self._file(self.weight_map[name]).get_tensor(name)
+
+    def dtypes(self) -> set[str]:
+        """The safetensors dtype names (``BF16``...) of every stored tensor, from the headers."""
+        found = set()
+        for shard in sorted(set(self.weight_map.values())):
+            f = self._file(shard)
+            found |= {f.get_slice(name).get_dtype() for name in f.keys()}
+        return found
+
+    def largest_shard_bytes(self) -> int:
+        return max((self.dir / s).stat().st_size for s in set(self.weight_map.values()))
+
+
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    shards, current, used = [], [], 0
+    for name, size in sizes.items():
+        if current and used + size > max_shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_shard(
+    path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+    produce: Callable[[str], torch.Tensor],
+) -> None:  # fmt: skip
+    """Write one safetensors file, asking ``produce`` for each tensor in turn."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name in names:
+        nbytes = itemsize * int(torch.Size(shapes[name]).numel())
+        span = [offset, offset + nbytes]
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shapes[name]), "data_offsets": span}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(header_bytes)))
+        out.write(header_bytes)
+        for name in names:
+            tensor = produce(name).to(dtype).contiguous()
+            if tuple(tensor.shape) != tuple(shapes[name]):
+                raise ValueError(f"{name}: produced shape {tuple(tensor.shape)}, planned {shapes[name]}")
+            out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+
+
+def write_index(out_dir: Path, shard_names: list[str], shards: list[list[str]], total_bytes: int) -> None:
+    """``model.safetensors.index.json`` mapping every tensor to its shard file."""
+    weight_map = {name: file for file, names in zip(shard_names, shards) for name in names}
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (Path(out_dir) / INDEX).write_text(json.dumps(index, indent=2) + "\n")

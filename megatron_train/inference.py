@@ -1,0 +1,93 @@
+"""Forward passes outside training: a checkpoint's model at any TP / PP, logits on every rank.
+
+The model is the training model (same specs, same megatron pipeline schedule in forward-only
+mode), built without DDP or optimizer and loaded from any complete checkpoint, imported ones
+included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_train.checkpoint import files
+from megatron_train.checkpoint.state import (
+    check_architecture,
+    load_weights,
+    read_common,
+    read_sharded,
+    read_tensor_metadata,
+    weights_state,
+)
+from megatron_train.config import ExperimentConfig, from_dict, validate_options
+from megatron_train.runtime import Runtime
+
+
+def checkpoint_config(path: Path, tensor: int, pipeline: int) -> ExperimentConfig:
+    """The config a checkpoint was written with, moved to a TP x PP layout (no VPP / SP)."""
+    path = files.resolve_explicit(Path(path))
+    cfg = from_dict(ExperimentConfig, read_common(path)["config"])
+    parallel = dataclasses.replace(
+        cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None, sequence_parallel=False
+    )
+    cfg = dataclasses.replace(cfg, parallel=parallel)
+    validate_options(cfg, tensor * pipeline)
+    return cfg
+
+
+def load_for_inference(path: Path, cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
+    """This rank's model chunk with the checkpoint's weights, in eval mode."""
+    from megatron_train.model import use_transformer_engine
+    from models.llama import build_model_chunks, transformer_config
+
+    path = files.resolve_explicit(Path(path))
+    te = use_transformer_engine(cfg)
+    chunks = build_model_chunks(cfg, transformer_config(cfg, rt.dtype, te), te)
+    for chunk in chunks:
+        chunk.to(rt.device)
+    check_architecture(weights_state(chunks), read_tensor_metadata(path))
+    load_weights(chunks, read_sharded(weights_state(chunks), path))
+    for chunk in chunks:
+        chunk.eval()
+    return chunks
+
+
+def _forward_step(tokens: torch.Tensor, data_iterator, model):
+    positions = torch.arange(tokens.size(1), device=tokens.device).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, positions, attention_mask=None)
+    return output, _gather_vocab
+
+
+def _gather_vocab(output: torch.Tensor, non_loss_data: bool = True) -> torch.Tensor:
+    return tensor_parallel.gather_from_tensor_model_parallel_region(output)
+
+
+@torch.no_grad()
+def logits(model: list[torch.nn.Module], tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[batch, seq, vocab_size]`` float32 logits for ``tokens`` (the same on every rank)."""
+    batch, seq = tokens.shape
+    out = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, tokens),
+        data_iterator=iter([None]),
+        model=model[0],
+        num_microbatches=1,
+        seq_length=seq,
+        micro_batch_size=batch,
+        forward_only=True,
+        collect_non_loss_data=True,
+    )
+    padded_vocab = model[0].vocab_size
+    result = torch.empty(batch, seq, padded_vocab, dtype=torch.float32, device=tokens.device)
+    if parallel_state.is_pipeline_last_stage():
+        result.copy_(out[0].float())
+    torch.distributed.broadcast(
+        result,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return result[..., :vocab_size]

@@ -1,0 +1,63 @@
+"""Convert between Hugging Face model directories and megatron-train checkpoints.
+
+    python tools/convert_checkpoint.py import-hf --hf meta-llama/Llama-3.1-8B --out ckpt/llama31 --tp 2 --pp 2
+    python tools/convert_checkpoint.py export-hf --ckpt runs/x/checkpoints --out hf/x [--dtype bfloat16]
+
+Families: Llama 2 / 3 / 3.1, Mistral, Qwen2. Imported checkpoints load at any TP / PP (``--tp`` /
+``--pp`` are checked against the model and recorded as its layout). Both directions stream one
+tensor at a time and write into a temporary directory renamed into place at the end.
+Exit codes: 0 done, 2 bad input (the message names it and the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_train.checkpoint.files import CheckpointError
+from megatron_train.config import ConfigError, ExperimentConfig
+from megatron_train.hf.architecture import ConversionError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    imp = commands.add_parser("import-hf", help="Hugging Face directory -> checkpoint")
+    imp.add_argument("--hf", type=Path, required=True, help="Hugging Face model directory")
+    imp.add_argument("--out", type=Path, required=True, help="new checkpoint save dir")
+    imp.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check and record")
+    imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check and record")
+    imp.add_argument("--vocab-pad-multiple", type=int, default=128, help="pad the vocabulary to this")
+    exp = commands.add_parser("export-hf", help="checkpoint -> Hugging Face directory")
+    exp.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir or save dir)")
+    exp.add_argument("--out", type=Path, required=True, help="new Hugging Face model directory")
+    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
+    exp.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors file")
+    args = parser.parse_args(argv)
+
+    from megatron_train import runtime
+    from megatron_train.hf.convert import export_hf, import_hf
+
+    try:
+        # megatron's checkpoint I/O runs in a process group; conversion needs only this process.
+        runtime.initialize(ExperimentConfig(), runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
+        if args.command == "import-hf":
+            import_hf(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple)
+        else:
+            dtype = getattr(torch, args.dtype) if args.dtype else None
+            export_hf(args.ckpt, args.out, dtype, int(args.max_shard_gib * 2**30))
+    except (ConversionError, ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
