@@ -107,12 +107,13 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
     hf = architecture.read_hf_config(hf_dir)
     cfg = imported_config(hf_dir, tensor, pipeline, vocab_pad_multiple)
     weights = HFWeights(hf_dir)
+    dims = Dims.from_model(vars(cfg.model))
+    weights.check_shapes(hf_shapes(dims))
     dtype = _check_dtype(hf, weights)
     if _check_tokenizer(hf_dir, cfg.model.vocab_size):
         cfg.data.tokenizer.type = "huggingface"
     for caveat in architecture.caveats(hf):
         log(f"note: {caveat}")
-    dims = Dims.from_model(vars(cfg.model))
     with _staging(out) as tmp:
         ckpt = files.iteration_dir(tmp, 0)
         final_ckpt = files.iteration_dir(Path(out), 0)
@@ -201,7 +202,16 @@ def _export_tokenizer(tokenizer: dict, out: Path) -> None:
     if tokenizer["type"] == "huggingface":
         transformers.AutoTokenizer.from_pretrained(path).save_pretrained(str(out))
     else:
-        transformers.LlamaTokenizer(vocab_file=path).save_pretrained(str(out))
+        import sentencepiece
+
+        # transformers converts a SentencePiece model it finds as tokenizer.model in a directory;
+        # whether words get a leading "▁" must follow the model's own add_dummy_prefix setting.
+        pieces = sentencepiece.SentencePieceProcessor(model_file=path).encode("x", out_type=str)
+        shutil.copy2(path, out / "tokenizer.model")
+        hf_tokenizer = transformers.LlamaTokenizer.from_pretrained(
+            str(out), add_prefix_space=pieces[0].startswith("\u2581")
+        )
+        hf_tokenizer.save_pretrained(str(out))
 
 
 def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,

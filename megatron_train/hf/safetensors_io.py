@@ -59,6 +59,17 @@ class HFWeights:
             raise ConversionError(f"tensor {name!r} is missing from {self.dir} (incomplete download?)")
         return self._file(self.weight_map[name]).get_tensor(name)
 
+    def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Every expected tensor is stored with the expected shape (headers only)."""
+        for name, shape in expected.items():
+            if name not in self.weight_map:
+                raise ConversionError(f"tensor {name!r} is missing from {self.dir} (incomplete download?)")
+            stored = tuple(self._file(self.weight_map[name]).get_slice(name).get_shape())
+            if stored != tuple(shape):
+                raise ConversionError(
+                    f"tensor {name!r} in {self.dir} has shape {stored} but config.json implies {tuple(shape)}"
+                )
+
     def dtypes(self) -> set[str]:
         """The safetensors dtype names (``BF16``...) of every stored tensor, from the headers."""
         found = set()

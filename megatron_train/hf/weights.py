@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_train.hf.architecture import ConversionError
-
 Getter = Callable[[str], torch.Tensor]
 
 
@@ -143,10 +141,6 @@ def to_megatron(d: Dims, key: str, layer: int | None, get: Getter) -> torch.Tens
         return torch.cat([get(n) for n in names], dim=0)
     tensor = get(names[0])
     if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if tensor.shape[0] != d.vocab:
-            raise ConversionError(
-                f"{names[0]} has {tensor.shape[0]} rows but config.json's vocab_size is {d.vocab}"
-            )
         padded = tensor.new_zeros(d.padded_vocab, *tensor.shape[1:])
         padded[: d.vocab] = tensor
         return padded

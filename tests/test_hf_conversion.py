@@ -1,0 +1,217 @@
+"""Hugging Face <-> megatron-train conversion, checked against transformers itself.
+
+Tiny random models are built with transformers (no download) for each supported family, imported
+with the CLI at TP2 x PP2, run by our model at four TP x PP layouts (imported checkpoints are
+layout-independent, like every checkpoint of ours) and compared logit by logit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, run_tool, torchrun_env, train_losses, write_config
+from safetensors.torch import load_file, save_file
+
+from megatron_train.tokenizer import load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+_COMMON = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+FAMILIES = {
+    # Llama 3.1: RoPE scaling, GQA, untied embeddings.
+    "llama": lambda: transformers.LlamaConfig(
+        **_COMMON,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),  # fmt: skip
+    "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
+    # Qwen2: QKV biases and tied embeddings.
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
+}
+
+
+def convert(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run_tool("tools/convert_checkpoint.py", *args, check=check)
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hf")
+    models = {}
+    for i, (name, make_config) in enumerate(FAMILIES.items()):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(make_config()).float().eval()
+        if name == "qwen2":  # random init leaves the biases at zero; make them count
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=0.5)
+        model.save_pretrained(root / name)
+        (root / name / "tokenizer_config.json").write_text('{"model_max_length": 256}\n')
+        models[name] = root / name
+    return models
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("imported")
+    for name, path in hf_models.items():
+        convert("import-hf", "--hf", str(path), "--out", str(root / name), "--tp", "2", "--pp", "2")
+    return {name: root / name for name in hf_models}
+
+
+@pytest.mark.slow
+def test_logits_match_transformers_at_every_layout(tmp_path, hf_models, imported):
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.save(tokens, tmp_path / "tokens.pt")
+    references = {}
+    for name, path in hf_models.items():
+        with torch.no_grad():
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            references[name] = model(tokens).logits
+    ckpts = imported
+    for tp, pp in LAYOUTS:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}",
+             "tests/helpers/logits_worker.py", "--tp", str(tp), "--pp", str(pp), "--tokens",
+             str(tmp_path / "tokens.pt"), "--out", str(tmp_path / "logits.pt"), *map(str, ckpts.values())],
+            cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        ours = torch.load(tmp_path / "logits.pt")
+        for name, ckpt in ckpts.items():
+            diff = (ours[str(ckpt)] - references[name]).abs().max().item()
+            assert diff <= 1e-4, f"{name} at TP{tp} x PP{pp}: max |diff| {diff}"
+
+
+@pytest.mark.slow
+def test_hf_to_ours_to_hf_is_bitwise_identical(tmp_path, hf_models, imported):
+    for name, path in hf_models.items():
+        back = tmp_path / f"{name}-back"
+        convert("export-hf", "--ckpt", str(imported[name]), "--out", str(back))
+        original, exported = load_file(path / "model.safetensors"), load_file(back / "model.safetensors")
+        assert sorted(original) == sorted(exported), name
+        for key, tensor in original.items():
+            assert tensor.dtype == exported[key].dtype and torch.equal(tensor, exported[key]), (name, key)
+        for side in ("config.json", "generation_config.json", "tokenizer_config.json"):
+            assert (path / side).read_bytes() == (back / side).read_bytes(), (name, side)
+
+
+@pytest.mark.slow
+def test_export_shards_large_models_and_transformers_loads_them(tmp_path, hf_models, imported):
+    back = tmp_path / "back"
+    convert("export-hf", "--ckpt", str(imported["llama"]), "--out", str(back), "--max-shard-gib", "0.0001")
+    index = json.loads((back / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_models["llama"], dtype=torch.float32)
+    for (key, a), b in zip(original.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), key
+
+
+@pytest.mark.slow
+def test_greedy_generation_matches_transformers_at_tp2(hf_models, imported):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "tools/generate.py", "--ckpt", str(imported["qwen2"]), "--tp", "2", "--prompt-ids", "5,7,9",
+         "--max-new-tokens", "8"],
+        cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = [int(i) for i in result.stdout.split("ids:")[1].split()[0].split(",")]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_models["qwen2"], dtype=torch.float32)
+    theirs = model.generate(torch.tensor([[5, 7, 9]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()
+    assert ours == theirs
+
+
+@pytest.mark.slow
+def test_trained_checkpoint_exports_and_generates_text_in_transformers(tmp_path, corpus):
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 10})
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_train.train", "--config", str(config)],
+        cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(train_losses(tmp_path / "run")) == 10
+    out = tmp_path / "hf"
+    convert("export-hf", "--ckpt", str(tmp_path / "run" / "checkpoints"), "--out", str(out))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    prompt = tokenizer("def main(", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    text = tokenizer.decode(generated[0][prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    # 10 steps of training mostly predict indentation: text, if not interesting text.
+    assert generated.shape[1] == prompt["input_ids"].shape[1] + 12 and text
+    ours = load_tokenizer("sentencepiece", str(corpus["tokenizer"])).tokenize("def main(")
+    assert tokenizer("def main(", add_special_tokens=False)["input_ids"] == list(ours)
+    sampled = run_tool(
+        "tools/generate.py", "--ckpt", str(tmp_path / "run" / "checkpoints"), "--prompt", "def main(",
+        "--top-p", "0.9", "--max-new-tokens", "8",
+    )  # fmt: skip
+    assert (
+        sampled.stdout.count("ids:") == 1 and len(sampled.stdout.split("ids:")[1].split()[0].split(",")) == 8
+    )
+
+
+def _expect_error(*args: str, needle: str, out=None) -> None:
+    result = convert(*args, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert needle in result.stderr, result.stderr[-2000:]
+    if out is not None:
+        assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
+
+
+def test_bad_inputs_are_clear_errors_and_leave_nothing_behind(tmp_path, hf_models):
+    llama = hf_models["llama"]
+    out = tmp_path / "out"
+    _expect_error("import-hf", "--hf", str(llama), "--out", str(out), "--tp", "3",
+                  needle="not divisible by parallel.tensor=3", out=out)  # fmt: skip
+    _expect_error(
+        "import-hf", "--hf", str(tmp_path / "nowhere"), "--out", str(out), needle="does not exist", out=out
+    )
+
+    def variant(name: str, edit_config=None, edit_weights=None):
+        d = tmp_path / name
+        d.mkdir()
+        config = json.loads((llama / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(edit_config(config) if edit_config else config))
+        weights = load_file(llama / "model.safetensors")
+        save_file(edit_weights(weights) if edit_weights else weights, d / "model.safetensors")
+        return d
+
+    gpt2 = variant("gpt2", edit_config=lambda c: {**c, "architectures": ["GPT2LMHeadModel"]})
+    _expect_error(
+        "import-hf", "--hf", str(gpt2), "--out", str(out), needle="unsupported architecture", out=out
+    )
+    half = variant("half", edit_config=lambda c: {**c, "dtype": "bfloat16"})
+    _expect_error(
+        "import-hf", "--hf", str(half), "--out", str(out), needle="declares dtype bfloat16", out=out
+    )
+    torn = variant("torn", edit_weights=lambda w: {k: v for k, v in w.items() if "layers.1.mlp" not in k})
+    _expect_error("import-hf", "--hf", str(torn), "--out", str(out), needle="model.layers.1.mlp", out=out)
+    bigvocab = variant("bigvocab")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"t{i}": i for i in range(400)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(bigvocab)
+    _expect_error("import-hf", "--hf", str(bigvocab), "--out", str(out), needle="has 400 tokens", out=out)
+
+    out.mkdir()
+    _expect_error("import-hf", "--hf", str(llama), "--out", str(out), needle="already exists")
+    assert list(out.iterdir()) == []
+    _expect_error(
+        "export-hf", "--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "x"), needle="does not exist"
+    )
