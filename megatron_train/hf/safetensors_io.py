@@ -46,10 +46,9 @@ class HFWeights:
         self._open: dict[str, object] = {}
 
     def _file(self, shard: str):
-        # At most two shards stay mapped: their touched pages count towards RSS until unmapped.
+        # One shard stays mapped at a time: its touched pages count towards RSS until unmapped.
         if shard not in self._open:
-            if len(self._open) == 2:
-                del self._open[next(iter(self._open))]
+            self._open.clear()
             self._open[shard] = safe_open(self.dir / shard, "pt")
         return self._open[shard]
 
