@@ -187,7 +187,7 @@ class Checkpointer:
             load_weights(model, read_sharded(weights_state(model), path))
             # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
             optimizer.reload_model_params()
-            self.log(f"starting from the weights of {path} (optimizer and step start fresh)")
+            self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
             return Progress(iteration=0, consumed_samples=0)
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True)
         if saved != now:
