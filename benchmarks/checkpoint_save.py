@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from torchrun_self import relaunch
 
 
 def worker(args) -> None:
     import torch
-    from megatron.core import parallel_state
 
     from megatron_train import runtime
     from megatron_train.checkpoint.manager import Checkpointer
@@ -36,23 +33,17 @@ def worker(args) -> None:
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
-    from megatron_train.tokenizer import load_tokenizer
-    from megatron_train.train import _wire_schedule_hooks, resolve_config
+    from megatron_train.train import resolve_config
 
     env = runtime.launch_env()
     cfg = resolve_config(argparse.Namespace(config=args.config, overrides=args.overrides), env.world_size)
     rt = runtime.initialize(cfg, env)
-    model, tconfig = build_model(cfg, rt)
+    model = build_model(cfg, rt)
     optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
-    _wire_schedule_hooks(cfg, model, tconfig, optimizer)
-    tokenizer = load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
-    train_ds, _ = build_datasets(cfg, tokenizer, str(Path(args.scratch) / "data_cache"))
-    t = cfg.train
-    dp = parallel_state.get_data_parallel_world_size()
-    stepper = Stepper(model, optimizer, scheduler, t.global_batch_size // (t.micro_batch_size * dp),
-                      cfg.data.seq_length, t.micro_batch_size, t.global_batch_size, rt.device)  # fmt: skip
+    stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
+    train_ds, _ = build_datasets(cfg, str(Path(args.scratch) / "data_cache"))
     stepper.train_step([batch_iterator(train_ds, 0, cfg) for _ in model])
-    progress = Progress(iteration=1, consumed_samples=t.global_batch_size)
+    progress = Progress(iteration=1, consumed_samples=cfg.train.global_batch_size)
 
     results = {}
     for async_save in (False, True):
@@ -101,13 +92,15 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     scratch = tempfile.mkdtemp(prefix="ckpt-bench-")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           __file__, "--worker", f"--repeats={args.repeats}", f"--config={args.config}",
-           f"--scratch={scratch}", *args.overrides]  # fmt: skip
+    worker_args = [
+        f"--repeats={args.repeats}",
+        f"--config={args.config}",
+        f"--scratch={scratch}",
+        *args.overrides,
+    ]
     try:
-        return subprocess.call(cmd, cwd=ROOT, env=env)
+        return relaunch(__file__, args.nproc, worker_args)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

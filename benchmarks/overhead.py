@@ -11,14 +11,12 @@ get_forward_backward_func) on one pre-built in-memory batch. Prints ms/step and 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from torchrun_self import relaunch
 
 
 def _time_steps(step_fn, steps: int, warmup: int = 2) -> list[float]:
@@ -38,25 +36,17 @@ def _time_steps(step_fn, steps: int, warmup: int = 2) -> list[float]:
 
 
 def _ours(cfg, rt, steps: int) -> list[float]:
-    from megatron.core import parallel_state
 
     from megatron_train.data import batch_iterator, build_datasets
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
-    from megatron_train.tokenizer import load_tokenizer
-    from megatron_train.train import _wire_schedule_hooks
 
-    model, tconfig = build_model(cfg, rt)
+    model = build_model(cfg, rt)
     optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
-    _wire_schedule_hooks(cfg, model, tconfig, optimizer)
-    tokenizer = load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
-    train_ds, _ = build_datasets(cfg, tokenizer, str(Path(cfg.logging.run_dir) / "data_cache"))
+    stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
+    train_ds, _ = build_datasets(cfg, str(Path(cfg.logging.run_dir) / "data_cache"))
     iters = [batch_iterator(train_ds, 0, cfg) for _ in model]
-    dp = parallel_state.get_data_parallel_world_size()
-    t = cfg.train
-    stepper = Stepper(model, optimizer, scheduler, t.global_batch_size // (t.micro_batch_size * dp),
-                      cfg.data.seq_length, t.micro_batch_size, t.global_batch_size, rt.device)  # fmt: skip
     return _time_steps(lambda: stepper.train_step(iters), steps)
 
 
@@ -85,7 +75,7 @@ def _bare(cfg, rt, steps: int) -> list[float]:
     for i, vp in enumerate(range(vpp) if vpp else [None]):
         gpt = GPTModel(
             config=config, transformer_layer_spec=decoder_block_spec(config, te, vp),
-            vocab_size=padded_vocab_size(cfg), max_sequence_length=cfg.model.max_position_embeddings,
+            vocab_size=padded_vocab_size(cfg.model), max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             position_embedding_type="rope", rotary_base=cfg.model.rotary_base, vp_stage=vp,
@@ -166,17 +156,9 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
-    ]
-    worker_args = ["--worker", f"--steps={args.steps}", f"--config={args.config}", *args.overrides]
-    cmd = [*launcher, __file__, *worker_args]
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    return relaunch(
+        __file__, args.nproc, [f"--steps={args.steps}", f"--config={args.config}", *args.overrides]
+    )
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_train.config import ExperimentConfig, parse_blend
+from megatron_train.tokenizer import load_tokenizer
 
 
-def build_datasets(cfg: ExperimentConfig, tokenizer, cache_dir: str) -> tuple[GPTDataset, GPTDataset | None]:
+def build_datasets(cfg: ExperimentConfig, cache_dir: str) -> tuple[GPTDataset, GPTDataset | None]:
     """The blended train and validation datasets, sized for the whole run."""
     t = cfg.train
     train_samples = t.steps * t.global_batch_size
@@ -23,7 +24,7 @@ def build_datasets(cfg: ExperimentConfig, tokenizer, cache_dir: str) -> tuple[GP
         blend=parse_blend(cfg.data.blend),
         split=cfg.data.split,
         path_to_cache=cache_dir,
-        tokenizer=tokenizer,
+        tokenizer=load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_train.config import ExperimentConfig
 from megatron_train.init import initialize_weights, mark_tensor_parallel_weights
@@ -25,9 +24,7 @@ def use_transformer_engine(cfg: ExperimentConfig) -> bool:
     return impl == "transformer_engine"
 
 
-def build_model(
-    cfg: ExperimentConfig, rt: Runtime
-) -> tuple[list[DistributedDataParallel], TransformerConfig]:
+def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParallel]:
     """Build, initialise and DDP-wrap this rank's model chunks."""
     te = use_transformer_engine(cfg)
     config = transformer_config(cfg, rt.dtype, te)
@@ -53,4 +50,4 @@ def build_model(
         )
         for index, chunk in enumerate(chunks)
     ]
-    return wrapped, config
+    return wrapped

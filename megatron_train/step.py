@@ -8,7 +8,10 @@ from functools import partial
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_train.config import ExperimentConfig
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -62,15 +65,34 @@ class StepResult:
     skipped: bool
 
 
-class Stepper:
-    """Runs training steps and validation passes for a fixed model, optimizer and shape."""
+def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, optimizer) -> None:
+    """Give megatron's schedules the grad-sync hooks of our DDP chunks and the optimizer."""
+    tconfig = model[0].config
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in model]
+    tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if cfg.ddp.overlap_grad_reduce:
+        sync = [chunk.start_grad_sync for chunk in model]
+        tconfig.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    if cfg.ddp.overlap_param_gather and cfg.optimizer.distributed:
+        sync = [chunk.start_param_sync for chunk in model]
+        tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
 
-    def __init__(self, model, optimizer, scheduler, num_microbatches: int, seq_length: int,
-                 micro_batch_size: int, global_batch_size: int, device: torch.device) -> None:  # fmt: skip
+
+class Stepper:
+    """Runs training steps and validation passes for a fixed model, optimizer and batch shape."""
+
+    def __init__(self, cfg: ExperimentConfig, model, optimizer, scheduler, device: torch.device) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.num_microbatches, self.seq_length = num_microbatches, seq_length
-        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
+        t = cfg.train
+        self.seq_length, self.micro_batch_size, self.global_batch_size = (
+            cfg.data.seq_length, t.micro_batch_size, t.global_batch_size,
+        )  # fmt: skip
+        dp = parallel_state.get_data_parallel_world_size()
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
         self.device = device
+        _wire_schedule_hooks(cfg, model, optimizer)
         self._schedule = get_forward_backward_func()
         self._forward_step = partial(forward_step, device)
 

@@ -89,36 +89,29 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     from megatron_train.model import build_model, use_transformer_engine
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
-    from megatron_train.tokenizer import load_tokenizer
 
     resume_from = checkpointer.resolve()
-    model, tconfig = build_model(cfg, rt)
+    model = build_model(cfg, rt)
     optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
-    _wire_schedule_hooks(cfg, model, tconfig, optimizer)
     progress = Progress(iteration=0, consumed_samples=0)
     if resume_from is not None:
         progress = checkpointer.load(resume_from, model, optimizer, scheduler)
         log.rewind(progress.iteration)
+    stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
     dp = parallel_state.get_data_parallel_world_size()
-    num_microbatches = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
     log.info(
         f"layout TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} "
         f"VPP={cfg.parallel.virtual_pipeline or 1} DP={dp} on {rt.world_size} {rt.device.type} "
-        f"ranks | {num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
+        f"ranks | {stepper.num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
         f"{'Transformer Engine' if use_transformer_engine(cfg) else 'local'} "
         f"layers, {str(rt.dtype).removeprefix('torch.')}"
     )
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
     cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
-    train_ds, valid_ds = build_datasets(cfg, tokenizer, cache_dir)
+    train_ds, valid_ds = build_datasets(cfg, cache_dir)
     chunks = len(model)
     train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in range(chunks)]
-    stepper = Stepper(
-        model, optimizer, scheduler, num_microbatches, cfg.data.seq_length,
-        cfg.train.micro_batch_size, cfg.train.global_batch_size, rt.device,
-    )  # fmt: skip
 
     def validate_now(step: int) -> None:
         if valid_ds is None:
@@ -185,22 +178,6 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     # that, or a launcher that kills the job when its first rank exits could tear it.
     torch.distributed.barrier()
     return exit_code
-
-
-def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, tconfig, optimizer) -> None:
-    """Give megatron's schedules the grad-sync hooks of our DDP chunks and the optimizer."""
-    from megatron.core.distributed import finalize_model_grads
-
-    tconfig.finalize_model_grads_func = finalize_model_grads
-    tconfig.grad_scale_func = optimizer.scale_loss
-    no_sync = [chunk.no_sync for chunk in model]
-    tconfig.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    if cfg.ddp.overlap_grad_reduce:
-        sync = [chunk.start_grad_sync for chunk in model]
-        tconfig.grad_sync_func = sync[0] if len(sync) == 1 else sync
-    if cfg.ddp.overlap_param_gather and cfg.optimizer.distributed:
-        sync = [chunk.start_param_sync for chunk in model]
-        tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
 
 
 def report_exit_status(code: int) -> None:

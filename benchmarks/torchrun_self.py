@@ -1,0 +1,18 @@
+"""Benchmarks relaunch themselves under torchrun with ``--worker``; this is that relaunch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def relaunch(script: str, nproc: int, worker_args: list[str]) -> int:
+    """Run ``script --worker *worker_args`` on ``nproc`` local ranks; returns torchrun's exit code."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           script, "--worker", *worker_args]  # fmt: skip
+    return subprocess.call(cmd, cwd=ROOT, env=env)
