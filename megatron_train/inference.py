@@ -17,19 +17,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.state import (
-    check_architecture,
     load_weights,
     read_common,
-    read_sharded,
-    read_tensor_metadata,
-    weights_state,
 )
 from megatron_train.config import ExperimentConfig, from_dict, validate_options
 from megatron_train.runtime import Runtime
 
 
-def checkpoint_config(path: Path, tensor: int, pipeline: int) -> ExperimentConfig:
-    """The config a checkpoint was written with, moved to a TP x PP layout (no VPP / SP)."""
+def checkpoint_config(path: Path, tensor: int, pipeline: int) -> tuple[Path, ExperimentConfig]:
+    """The complete checkpoint ``path`` names (a save dir's newest), and the config it was written
+    with moved to a TP x PP layout (no VPP / SP)."""
     path = files.resolve_explicit(Path(path))
     cfg = from_dict(ExperimentConfig, read_common(path)["config"])
     parallel = dataclasses.replace(
@@ -37,21 +34,20 @@ def checkpoint_config(path: Path, tensor: int, pipeline: int) -> ExperimentConfi
     )
     cfg = dataclasses.replace(cfg, parallel=parallel)
     validate_options(cfg, tensor * pipeline)
-    return cfg
+    return path, cfg
 
 
 def load_for_inference(path: Path, cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
-    """This rank's model chunk with the checkpoint's weights, in eval mode."""
+    """This rank's model chunk with the weights of checkpoint ``path`` (from
+    :func:`checkpoint_config`), in eval mode."""
     from megatron_train.model import use_transformer_engine
     from models.llama import build_model_chunks, transformer_config
 
-    path = files.resolve_explicit(Path(path))
     te = use_transformer_engine(cfg)
     chunks = build_model_chunks(cfg, transformer_config(cfg, rt.dtype, te), te)
     for chunk in chunks:
         chunk.to(rt.device)
-    check_architecture(weights_state(chunks), read_tensor_metadata(path))
-    load_weights(chunks, read_sharded(weights_state(chunks), path))
+    load_weights(path, chunks)
     for chunk in chunks:
         chunk.eval()
     return chunks

@@ -33,11 +33,11 @@ from megatron_train.checkpoint.state import (
     load_model,
     load_optimizer,
     load_weights,
+    model_state,
     read_common,
     read_sharded,
     read_tensor_metadata,
     restore_rng,
-    weights_state,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
 from megatron_train.stopping import STOP_SIGNALS
@@ -181,14 +181,14 @@ class Checkpointer:
     def load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
         common = read_common(path)
-        check_architecture(weights_state(model), read_tensor_metadata(path))
-        saved, now = Layout(**common["layout"]), Layout.current()
         if self.options.finetune or common.get("weights_only"):
-            load_weights(model, read_sharded(weights_state(model), path))
+            load_weights(path, model)
             # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
             optimizer.reload_model_params()
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
             return Progress(iteration=0, consumed_samples=0)
+        check_architecture(model_state(model), read_tensor_metadata(path))
+        saved, now = Layout(**common["layout"]), Layout.current()
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True)
         if saved != now:
             del state["rng_state"]

@@ -241,8 +241,9 @@ def weights_state(model: list) -> dict:
     }
 
 
-def load_weights(model: list, loaded: dict) -> None:
-    """Copy the tensors of :func:`weights_state` into the chunks; every weight must be present."""
+def load_model(model: list, loaded: dict) -> None:
+    """Copy loaded model tensors into the chunks. Every weight must be there; the layers'
+    ``_extra_state`` may not be (weights-only checkpoints have none)."""
     for i, chunk in enumerate(model):
         state = loaded["model"] if len(model) == 1 else loaded[f"model{i}"]
         missing, unexpected = _unwrap(chunk).load_state_dict(state, strict=False)
@@ -251,10 +252,8 @@ def load_weights(model: list, loaded: dict) -> None:
             raise CheckpointError(f"the checkpoint's weights do not fit the model: {problems[:5]}")
 
 
-def load_model(model: list, loaded: dict) -> None:
-    """Copy loaded model tensors into the chunks."""
-    if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
-    else:
-        for i, chunk in enumerate(model):
-            _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+def load_weights(path: Path, model: list) -> None:
+    """Load only the model weights of checkpoint ``path`` (written at any layout) into the chunks."""
+    request = weights_state(model)
+    check_architecture(request, read_tensor_metadata(path))
+    load_model(model, read_sharded(request, path))

@@ -47,7 +47,7 @@ def _write_items(tensors: list[Tensor], num_layers: int, dtype: torch.dtype) -> 
     properties = TensorProperties(dtype=dtype)
     items = []
     for t in tensors:
-        size = torch.Size((num_layers, *t.shape) if t.per_layer else t.shape)
+        size = torch.Size(t.global_shape(num_layers))
         layers = range(num_layers) if t.per_layer else [None]
         for layer in layers:
             offsets = torch.Size((layer, *[0] * len(t.shape)) if t.per_layer else [0] * len(t.shape))

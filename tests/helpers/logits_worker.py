@@ -22,13 +22,13 @@ def main() -> None:
     parser.add_argument("checkpoints", nargs="+", type=Path)
     args = parser.parse_args()
     env = runtime.launch_env()
-    first = inference.checkpoint_config(args.checkpoints[0], args.tp, args.pp)
+    _, first = inference.checkpoint_config(args.checkpoints[0], args.tp, args.pp)
     rt = runtime.initialize(first, env)
     tokens = torch.load(args.tokens)
     results = {}
     for path in args.checkpoints:
-        cfg = inference.checkpoint_config(path, args.tp, args.pp)
-        model = inference.load_for_inference(path, cfg, rt)
+        resolved, cfg = inference.checkpoint_config(path, args.tp, args.pp)
+        model = inference.load_for_inference(resolved, cfg, rt)
         results[str(path)] = inference.logits(model, tokens.to(rt.device), cfg.model.vocab_size)
     if rt.is_main:
         torch.save(results, args.out)
