@@ -10,6 +10,7 @@ each one's peak RSS next to the largest HF shard file. Nothing is asserted: it p
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -21,14 +22,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_train.hf.safetensors_io import plan_shards, write_index, write_shard  # noqa: E402
+from megatron_train.config import ModelConfig  # noqa: E402
+from megatron_train.hf.architecture import model_options  # noqa: E402
+from megatron_train.hf.safetensors_io import write_weights  # noqa: E402
 from megatron_train.hf.weights import Dims, hf_shapes  # noqa: E402
 
 
 def synthetic_model(out: Path, layers: int, hidden: int, shard_bytes: int) -> int:
     """A random Llama-3-shaped bf16 model; returns its size in bytes."""
-    import json
-
     heads = hidden // 128
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
@@ -39,22 +40,12 @@ def synthetic_model(out: Path, layers: int, hidden: int, shard_bytes: int) -> in
     }  # fmt: skip
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    model = {
-        "num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": config["intermediate_size"],
-        "num_attention_heads": heads, "num_query_groups": config["num_key_value_heads"], "kv_channels": 128,
-        "vocab_size": 128256, "tie_embeddings": False, "qkv_bias": False,
-    }  # fmt: skip
-    shapes = hf_shapes(Dims.from_model(model))
-    sizes = {name: 2 * torch.Size(shape).numel() for name, shape in shapes.items()}
-    shards = plan_shards(sizes, shard_bytes)
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    shapes = hf_shapes(Dims.from_model(ModelConfig(**model_options(config))))
     gen = torch.Generator().manual_seed(0)
-    for file, shard in zip(names, shards):
-        write_shard(
-            out / file, shard, shapes, torch.bfloat16, lambda n: torch.randn(shapes[n], generator=gen) * 0.02
-        )
-    write_index(out, names, shards, sum(sizes.values()))
-    return sum(sizes.values())
+    write_weights(
+        out, shapes, torch.bfloat16, lambda n: torch.randn(shapes[n], generator=gen) * 0.02, shard_bytes
+    )
+    return sum(2 * torch.Size(shape).numel() for shape in shapes.values())
 
 
 _CHILD = """

@@ -386,10 +386,9 @@ def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:
     return world_size // (cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context)
 
 
-def padded_vocab_size(cfg: ExperimentConfig) -> int:
+def padded_vocab_size(m: ModelConfig) -> int:
     """The embedding's row count: the vocabulary rounded up to ``model.vocab_pad_multiple``."""
-    multiple = cfg.model.vocab_pad_multiple
-    return math.ceil(cfg.model.vocab_size / multiple) * multiple
+    return math.ceil(m.vocab_size / m.vocab_pad_multiple) * m.vocab_pad_multiple
 
 
 def _require_at_least(minimum: float, key: str, value: float, allowed: str) -> None:

@@ -28,7 +28,7 @@ def flops_per_token(cfg: ExperimentConfig) -> float:
         + 2 * 3 * m.hidden_size * m.ffn_hidden_size  # SwiGLU: gate, up, down
         + 2 * 2 * s * q_dim  # scores and weighted values
     )
-    logits = 2 * m.hidden_size * padded_vocab_size(cfg)
+    logits = 2 * m.hidden_size * padded_vocab_size(m)
     return 3.0 * (m.num_layers * per_layer + logits)
 
 

@@ -37,7 +37,7 @@ def stage_parameters(cfg: ExperimentConfig) -> float:
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
     q, kv = head_dim * m.num_attention_heads, head_dim * (m.num_query_groups or m.num_attention_heads)
     per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size
-    embedding = padded_vocab_size(cfg) * m.hidden_size
+    embedding = padded_vocab_size(m) * m.hidden_size
     layers = m.num_layers / p.pipeline * per_layer
     head = embedding if (p.pipeline == 1 and not m.tie_embeddings) else 0
     return (layers + embedding + head) / p.tensor

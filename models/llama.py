@@ -99,7 +99,7 @@ def build_model_chunks(
         model = GPTModel(
             config=config,
             transformer_layer_spec=decoder_block_spec(config, use_transformer_engine, vp_stage),
-            vocab_size=padded_vocab_size(cfg),
+            vocab_size=padded_vocab_size(cfg.model),
             max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_train.checkpoint.files import CheckpointError
-from megatron_train.config import ConfigError, ExperimentConfig
-from megatron_train.hf.architecture import ConversionError
+from megatron_train import cli
+from megatron_train.config import ExperimentConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,24 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
     exp.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors file")
     args = parser.parse_args(argv)
+    return cli.run(lambda: convert(args))
 
+
+def convert(args: argparse.Namespace) -> None:
     from megatron_train import runtime
     from megatron_train.hf.convert import export_hf, import_hf
 
-    try:
-        # megatron's checkpoint I/O runs in a process group; conversion needs only this process.
-        runtime.initialize(ExperimentConfig(), runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
-        if args.command == "import-hf":
-            import_hf(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple)
-        else:
-            dtype = getattr(torch, args.dtype) if args.dtype else None
-            export_hf(args.ckpt, args.out, dtype, int(args.max_shard_gib * 2**30))
-    except (ConversionError, ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        runtime.shutdown()
-    return 0
+    # megatron's checkpoint I/O runs in a process group; conversion needs only this process.
+    runtime.initialize(ExperimentConfig(), runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
+    if args.command == "import-hf":
+        import_hf(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple)
+    else:
+        dtype = getattr(torch, args.dtype) if args.dtype else None
+        export_hf(args.ckpt, args.out, dtype, int(args.max_shard_gib * 2**30))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_train.checkpoint.files import CheckpointError
+from megatron_train import cli
 from megatron_train.config import ConfigError
 
 
@@ -49,44 +49,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint config's)")
     args = parser.parse_args(argv)
 
+    return cli.run(lambda: generate(args))
+
+
+def generate(args: argparse.Namespace) -> None:
     from megatron_train import inference, runtime
     from megatron_train.tokenizer import load_tokenizer
 
-    env = runtime.launch_env()
-    try:
-        cfg = inference.checkpoint_config(args.ckpt, args.tp, args.pp)
-        tok_cfg = cfg.data.tokenizer
-        tokenizer = (
-            load_tokenizer(tok_cfg.type, args.tokenizer or tok_cfg.path) if not args.prompt_ids else None
-        )
-    except (CheckpointError, ConfigError, OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    rt = runtime.initialize(cfg, env)
-    try:
-        model = inference.load_for_inference(args.ckpt, cfg, rt)
-        if args.prompt_ids:
-            ids = [int(i) for i in args.prompt_ids.split(",")]
-        else:
-            ids = list(tokenizer.tokenize(args.prompt)) or [tokenizer.bos if tokenizer.bos is not None else 0]
-        gen = torch.Generator().manual_seed(args.seed)
-        prompt_len = len(ids)
-        for _ in range(args.max_new_tokens):
-            tokens = torch.tensor([ids], device=rt.device)
-            last = inference.logits(model, tokens, cfg.model.vocab_size)[0, -1].cpu()
-            choice = torch.tensor([next_token(last, args.top_p, args.temperature, gen)], device=rt.device)
-            torch.distributed.broadcast(choice, src=0)  # every rank continues with rank 0's token
-            ids.append(int(choice))
-        if rt.is_main:
-            print("ids:", ",".join(str(i) for i in ids[prompt_len:]))
-            if tokenizer is not None:
-                print(tokenizer.detokenize(ids))
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        runtime.shutdown()
-    return 0
+    path, cfg = inference.checkpoint_config(args.ckpt, args.tp, args.pp)
+    tokenizer = None
+    if not args.prompt_ids:
+        tok_path = args.tokenizer or cfg.data.tokenizer.path
+        if not tok_path or not Path(tok_path).exists():
+            raise ConfigError("--tokenizer", f"{tok_path!r} does not exist", "pass the tokenizer's path")
+        tokenizer = load_tokenizer(cfg.data.tokenizer.type, tok_path)
+    rt = runtime.initialize(cfg, runtime.launch_env())
+    model = inference.load_for_inference(path, cfg, rt)
+    if args.prompt_ids:
+        ids = [int(i) for i in args.prompt_ids.split(",")]
+    else:
+        ids = list(tokenizer.tokenize(args.prompt)) or [tokenizer.bos if tokenizer.bos is not None else 0]
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt_len = len(ids)
+    for _ in range(args.max_new_tokens):
+        tokens = torch.tensor([ids], device=rt.device)
+        last = inference.logits(model, tokens, cfg.model.vocab_size)[0, -1].cpu()
+        choice = torch.tensor([next_token(last, args.top_p, args.temperature, gen)], device=rt.device)
+        torch.distributed.broadcast(choice, src=0)  # every rank continues with rank 0's token
+        ids.append(int(choice))
+    if rt.is_main:
+        print("ids:", ",".join(str(i) for i in ids[prompt_len:]))
+        if tokenizer is not None:
+            print(tokenizer.detokenize(ids))
 
 
 if __name__ == "__main__":

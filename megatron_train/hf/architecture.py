@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_train.config import ModelConfig
+
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
 # megatron-core's Llama-3.1 RoPE scaling hard-codes these (rotary_pos_embedding._apply_scaling).
@@ -127,27 +129,27 @@ def caveats(hf: dict) -> list[str]:
     return []
 
 
-def hf_config(model: dict, dtype: torch.dtype) -> dict:
+def hf_config(m: ModelConfig, dtype: torch.dtype) -> dict:
     """A transformers config.json for a model we trained from scratch (Qwen2 when QKV has biases)."""
     import transformers
 
     common = dict(
-        vocab_size=model["vocab_size"],
-        hidden_size=model["hidden_size"],
-        intermediate_size=model["ffn_hidden_size"],
-        num_hidden_layers=model["num_layers"],
-        num_attention_heads=model["num_attention_heads"],
-        num_key_value_heads=model["num_query_groups"] or model["num_attention_heads"],
-        head_dim=model["kv_channels"] or model["hidden_size"] // model["num_attention_heads"],
-        max_position_embeddings=model["max_position_embeddings"],
-        rms_norm_eps=model["norm_eps"],
-        tie_word_embeddings=model["tie_embeddings"],
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_embeddings,
         hidden_act="silu",
     )
-    rope = {"rope_type": "default", "rope_theta": float(model["rotary_base"])}
-    if model["rope_scaling"]:
-        rope = {**rope, "rope_type": "llama3", "factor": model["rope_scaling_factor"], **_LLAMA3_ROPE_FIXED}
-    if model["qkv_bias"]:
+    rope = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    if m.rope_scaling:
+        rope = {**rope, "rope_type": "llama3", "factor": m.rope_scaling_factor, **_LLAMA3_ROPE_FIXED}
+    if m.qkv_bias:
         config = transformers.Qwen2Config(**common, rope_parameters=rope)
         config.architectures = ["Qwen2ForCausalLM"]
     else:

@@ -17,13 +17,23 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_train import __version__
 from megatron_train.checkpoint import files
-from megatron_train.config import ExperimentConfig, ModelConfig, ParallelConfig, to_dict, validate_options
+from megatron_train.checkpoint.state import Layout, Progress, read_common, read_sharded, read_tensor_metadata
+from megatron_train.checkpoint.streaming_save import save_weights
+from megatron_train.config import (
+    ExperimentConfig,
+    ModelConfig,
+    ParallelConfig,
+    from_dict,
+    to_dict,
+    validate_options,
+)
 from megatron_train.hf import architecture
 from megatron_train.hf.architecture import ConversionError
-from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, plan_shards, write_index, write_shard
+from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
 from megatron_train.hf.weights import Dims, export_plan, hf_shapes, megatron_tensors, to_hf, to_megatron
 
 SIDE_DIR = "hf"
@@ -87,9 +97,8 @@ def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
     return True
 
 
-def imported_config(hf_dir: Path, tensor: int, pipeline: int, vocab_pad_multiple: int) -> ExperimentConfig:
-    """Our config for a Hugging Face model at a TP / PP layout (ConfigError if impossible)."""
-    hf = architecture.read_hf_config(hf_dir)
+def imported_config(hf: dict, tensor: int, pipeline: int, vocab_pad_multiple: int) -> ExperimentConfig:
+    """Our config for a Hugging Face config.json at a TP / PP layout (ConfigError if impossible)."""
     model = ModelConfig(**architecture.model_options(hf), vocab_pad_multiple=vocab_pad_multiple)
     cfg = ExperimentConfig(model=model, parallel=ParallelConfig(tensor=tensor, pipeline=pipeline))
     cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
@@ -100,14 +109,11 @@ def imported_config(hf_dir: Path, tensor: int, pipeline: int, vocab_pad_multiple
 def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab_pad_multiple: int = 128,
               log: Callable[[str], None] = print) -> Path:  # fmt: skip
     """Convert a Hugging Face model directory into a checkpoint under ``out``; returns its path."""
-    from megatron_train.checkpoint.state import Layout, Progress
-    from megatron_train.checkpoint.streaming_save import save_weights
-
     hf_dir = Path(hf_dir)
     hf = architecture.read_hf_config(hf_dir)
-    cfg = imported_config(hf_dir, tensor, pipeline, vocab_pad_multiple)
+    cfg = imported_config(hf, tensor, pipeline, vocab_pad_multiple)
     weights = HFWeights(hf_dir)
-    dims = Dims.from_model(vars(cfg.model))
+    dims = Dims.from_model(cfg.model)
     weights.check_shapes(hf_shapes(dims))
     dtype = _check_dtype(hf, weights)
     if _check_tokenizer(hf_dir, cfg.model.vocab_size):
@@ -149,18 +155,12 @@ class _CheckpointTensors:
     """One layer of one tensor at a time from a checkpoint, converted to transformers' tensors."""
 
     def __init__(self, path: Path, dims: Dims) -> None:
-        from megatron_train.checkpoint.state import read_tensor_metadata
-
         self.path, self.dims = path, dims
         self.saved = read_tensor_metadata(path)
         self.names = {name: (key, layer) for key, layer, names in export_plan(dims) for name in names}
         self._pending: dict[str, torch.Tensor] = {}
 
     def _read(self, key: str, layer: int | None) -> torch.Tensor:
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-        from megatron_train.checkpoint.state import read_sharded
-
         meta = self.saved[key]
         shape = tuple(meta.global_shape)
         if layer is None:
@@ -186,7 +186,7 @@ def _hf_side(path: Path, common: dict, dtype: torch.dtype | None, out: Path) -> 
             shutil.copy2(f, out / f.name)
         hf = json.loads((side / "config.json").read_text())
         return dtype or architecture.hf_dtype(hf) or torch.float32
-    model = common["config"]["model"]
+    model = from_dict(ModelConfig, common["config"]["model"])
     dtype = dtype or torch.bfloat16
     (out / "config.json").write_text(json.dumps(architecture.hf_config(model, dtype), indent=2) + "\n")
     _export_tokenizer(common["config"]["data"]["tokenizer"], out)
@@ -217,24 +217,11 @@ def _export_tokenizer(tokenizer: dict, out: Path) -> None:
 def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
               log: Callable[[str], None] = print) -> Path:  # fmt: skip
     """Write a checkpoint as a transformers model directory ``out``; returns ``out``."""
-    from megatron_train.checkpoint.state import read_common
-
     path = files.resolve_explicit(Path(ckpt))
     common = read_common(path)
-    dims = Dims.from_model(common["config"]["model"])
-    shapes = hf_shapes(dims)
+    dims = Dims.from_model(from_dict(ModelConfig, common["config"]["model"]))
     with _staging(out) as tmp:
         dtype = _hf_side(path, common, dtype, tmp)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        sizes = {name: itemsize * torch.Size(shape).numel() for name, shape in shapes.items()}
-        shards = plan_shards(sizes, max_shard_bytes)
-        if len(shards) == 1:
-            shard_names = ["model.safetensors"]
-        else:
-            shard_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-            write_index(tmp, shard_names, shards, sum(sizes.values()))
-        source = _CheckpointTensors(path, dims)
-        for file, names in zip(shard_names, shards):
-            write_shard(tmp / file, names, shapes, dtype, source)
-    log(f"exported {path} -> {out} ({len(shards)} shard(s), {str(dtype).removeprefix('torch.')})")
+        shards = write_weights(tmp, hf_shapes(dims), dtype, _CheckpointTensors(path, dims), max_shard_bytes)
+    log(f"exported {path} -> {out} ({shards} shard(s), {str(dtype).removeprefix('torch.')})")
     return Path(out)

@@ -52,18 +52,19 @@ class HFWeights:
             self._open[shard] = safe_open(self.dir / shard, "pt")
         return self._open[shard]
 
-    def get(self, name: str) -> torch.Tensor:
-        """One tensor, read from its shard."""
+    def _file_with(self, name: str):
         if name not in self.weight_map:
             raise ConversionError(f"tensor {name!r} is missing from {self.dir} (incomplete download?)")
-        return self._file(self.weight_map[name]).get_tensor(name)
+        return self._file(self.weight_map[name])
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard."""
+        return self._file_with(name).get_tensor(name)
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every expected tensor is stored with the expected shape (headers only)."""
         for name, shape in expected.items():
-            if name not in self.weight_map:
-                raise ConversionError(f"tensor {name!r} is missing from {self.dir} (incomplete download?)")
-            stored = tuple(self._file(self.weight_map[name]).get_slice(name).get_shape())
+            stored = tuple(self._file_with(name).get_slice(name).get_shape())
             if stored != tuple(shape):
                 raise ConversionError(
                     f"tensor {name!r} in {self.dir} has shape {stored} but config.json implies {tuple(shape)}"
@@ -77,11 +78,8 @@ class HFWeights:
             found |= {f.get_slice(name).get_dtype() for name in f.keys()}
         return found
 
-    def largest_shard_bytes(self) -> int:
-        return max((self.dir / s).stat().st_size for s in set(self.weight_map.values()))
 
-
-def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     """Tensor names grouped into shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
     shards, current, used = [], [], 0
     for name, size in sizes.items():
@@ -95,7 +93,7 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
     return shards
 
 
-def write_shard(
+def _write_shard(
     path: Path, names: list[str], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
     produce: Callable[[str], torch.Tensor],
 ) -> None:  # fmt: skip
@@ -119,8 +117,22 @@ def write_shard(
             out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
 
 
-def write_index(out_dir: Path, shard_names: list[str], shards: list[list[str]], total_bytes: int) -> None:
-    """``model.safetensors.index.json`` mapping every tensor to its shard file."""
-    weight_map = {name: file for file, names in zip(shard_names, shards) for name in names}
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-    (Path(out_dir) / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+def write_weights(
+    out_dir: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+    produce: Callable[[str], torch.Tensor], max_shard_bytes: int,
+) -> int:  # fmt: skip
+    """Write a model's tensors as transformers does: ``model.safetensors``, or numbered shards of at
+    most ``max_shard_bytes`` plus ``model.safetensors.index.json``. Returns the shard count."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = {name: itemsize * torch.Size(shape).numel() for name, shape in shapes.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
+    if len(shards) == 1:
+        files = ["model.safetensors"]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {name: file for file, names in zip(files, shards) for name in names}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (Path(out_dir) / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    for file, names in zip(files, shards):
+        _write_shard(Path(out_dir) / file, names, shapes, dtype, produce)
+    return len(shards)

@@ -9,11 +9,12 @@ handles one layer of one tensor, so conversions never hold more than that in mem
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from megatron_train.config import ModelConfig, padded_vocab_size
 
 Getter = Callable[[str], torch.Tensor]
 
@@ -34,20 +35,18 @@ class Dims:
     qkv_bias: bool
 
     @classmethod
-    def from_model(cls, m: dict) -> Dims:
-        heads = m["num_attention_heads"]
-        pad = m.get("vocab_pad_multiple", 128)
+    def from_model(cls, m: ModelConfig) -> Dims:
         return cls(
-            num_layers=m["num_layers"],
-            hidden=m["hidden_size"],
-            ffn=m["ffn_hidden_size"],
-            heads=heads,
-            groups=m["num_query_groups"] or heads,
-            head_dim=m["kv_channels"] or m["hidden_size"] // heads,
-            vocab=m["vocab_size"],
-            padded_vocab=math.ceil(m["vocab_size"] / pad) * pad,
-            tied=m["tie_embeddings"],
-            qkv_bias=m["qkv_bias"],
+            num_layers=m.num_layers,
+            hidden=m.hidden_size,
+            ffn=m.ffn_hidden_size,
+            heads=m.num_attention_heads,
+            groups=m.num_query_groups or m.num_attention_heads,
+            head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+            vocab=m.vocab_size,
+            padded_vocab=padded_vocab_size(m),
+            tied=m.tie_embeddings,
+            qkv_bias=m.qkv_bias,
         )
 
 
@@ -60,11 +59,13 @@ class Tensor:
     shape: tuple[int, ...]
     per_layer: bool
 
-    def global_shape(self, d: Dims) -> tuple[int, ...]:
-        return (d.num_layers, *self.shape) if self.per_layer else self.shape
+    def global_shape(self, num_layers: int) -> tuple[int, ...]:
+        return (num_layers, *self.shape) if self.per_layer else self.shape
 
 
 _LAYER = "decoder.layers."
+_QKV = ("linear_qkv.weight", "linear_qkv.bias")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 def megatron_tensors(d: Dims) -> list[Tensor]:
@@ -103,36 +104,10 @@ def _hf_names(key: str, layer: int | None) -> list[str]:
     }[key]
 
 
-@dataclass(frozen=True)
-class _Slot:
-    key: str
-    layer: int | None
-
-
-def _hf_order(d: Dims) -> list[_Slot]:
-    tensors = {t.key: t for t in megatron_tensors(d)}
-    per_layer = [
-        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
-        "self_attention.linear_qkv.bias", "self_attention.linear_proj.weight",
-        "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight",
-    ]  # fmt: skip
-    order = [_Slot("embedding.word_embeddings.weight", None)]
-    for layer in range(d.num_layers):
-        order += [_Slot(_LAYER + k, layer) for k in per_layer if _LAYER + k in tensors]
-    order.append(_Slot("decoder.final_layernorm.weight", None))
-    if not d.tied:
-        order.append(_Slot("output_layer.weight", None))
-    return order
-
-
-def _qkv_split(d: Dims) -> list[int]:
-    return [d.heads // d.groups * d.head_dim, d.head_dim, d.head_dim]
-
-
 def to_megatron(d: Dims, key: str, layer: int | None, get: Getter) -> torch.Tensor:
     """Our tensor ``key`` (one layer of it when per-layer) from transformers' tensors."""
     names = _hf_names(key, layer)
-    if key.endswith("linear_qkv.weight") or key.endswith("linear_qkv.bias"):
+    if key.endswith(_QKV):
         q, k, v = (get(n) for n in names)
         trailing = q.shape[1:]
         grouped = [t.reshape(d.groups, -1, *trailing) for t in (q, k, v)]
@@ -140,7 +115,7 @@ def to_megatron(d: Dims, key: str, layer: int | None, get: Getter) -> torch.Tens
     if key.endswith("linear_fc1.weight"):
         return torch.cat([get(n) for n in names], dim=0)
     tensor = get(names[0])
-    if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+    if key in _VOCAB and d.padded_vocab != d.vocab:
         padded = tensor.new_zeros(d.padded_vocab, *tensor.shape[1:])
         padded[: d.vocab] = tensor
         return padded
@@ -150,37 +125,35 @@ def to_megatron(d: Dims, key: str, layer: int | None, get: Getter) -> torch.Tens
 def to_hf(d: Dims, key: str, layer: int | None, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """transformers' tensors for our tensor ``key`` (one layer of it when per-layer)."""
     names = _hf_names(key, layer)
-    if key.endswith("linear_qkv.weight") or key.endswith("linear_qkv.bias"):
+    if key.endswith(_QKV):
         trailing = tensor.shape[1:]
-        parts = tensor.reshape(d.groups, -1, *trailing).split(_qkv_split(d), dim=1)
-        return {n: p.reshape(-1, *trailing).contiguous() for n, p in zip(names, parts)}
+        q_rows_per_group = d.heads // d.groups * d.head_dim
+        parts = tensor.reshape(d.groups, -1, *trailing).split(
+            [q_rows_per_group, d.head_dim, d.head_dim], dim=1
+        )
+        return {n: p.reshape(-1, *trailing) for n, p in zip(names, parts)}
     if key.endswith("linear_fc1.weight"):
-        return dict(zip(names, (t.contiguous() for t in tensor.split(d.ffn, dim=0))))
-    if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return dict(zip(names, tensor.split(d.ffn, dim=0)))
+    if key in _VOCAB:
         tensor = tensor[: d.vocab]
-    return {names[0]: tensor.contiguous()}
+    return {names[0]: tensor}
 
 
 def export_plan(d: Dims) -> list[tuple[str, int | None, list[str]]]:
-    """(our key, layer, the transformers names it becomes), in transformers' order."""
-    return [(s.key, s.layer, _hf_names(s.key, s.layer)) for s in _hf_order(d)]
+    """(our key, layer, the transformers names it becomes), grouped by layer as transformers saves."""
+    tensors = megatron_tensors(d)
+    whole = [t.key for t in tensors if not t.per_layer]  # the embedding first, then the output end
+    layered = [t.key for t in tensors if t.per_layer]
+    slots = [(whole[0], None)] + [(key, layer) for layer in range(d.num_layers) for key in layered]
+    slots += [(key, None) for key in whole[1:]]
+    return [(key, layer, _hf_names(key, layer)) for key, layer in slots]
 
 
 def hf_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
-    """Every transformers tensor's shape (to plan safetensors shards before reading anything)."""
-    q_rows, kv_rows = d.heads * d.head_dim, d.groups * d.head_dim
-    shapes = {}
-    for key, _, names in export_plan(d):
-        if key.endswith("linear_qkv.weight"):
-            sizes = [(q_rows, d.hidden), (kv_rows, d.hidden), (kv_rows, d.hidden)]
-        elif key.endswith("linear_qkv.bias"):
-            sizes = [(q_rows,), (kv_rows,), (kv_rows,)]
-        elif key.endswith("linear_fc1.weight"):
-            sizes = [(d.ffn, d.hidden)] * 2
-        elif key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            sizes = [(d.vocab, d.hidden)]
-        else:
-            tensor = next(t for t in megatron_tensors(d) if t.key == key)
-            sizes = [tensor.shape]
-        shapes.update(zip(names, sizes))
-    return shapes
+    """Every transformers tensor's shape, from :func:`to_hf` on meta tensors (no memory, no I/O)."""
+    shapes = {t.key: t.shape for t in megatron_tensors(d)}
+    return {
+        name: tuple(tensor.shape)
+        for key, layer, _ in export_plan(d)
+        for name, tensor in to_hf(d, key, layer, torch.empty(shapes[key], device="meta")).items()
+    }
