@@ -48,13 +48,16 @@ def synthetic_model(out: Path, layers: int, hidden: int, shard_bytes: int) -> in
     return sum(2 * torch.Size(shape).numel() for shape in shapes.values())
 
 
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child would report the
+# parent's peak (this script's, after writing the synthetic model) rather than its own.
 _CHILD = """
-import resource, runpy, sys
+import runpy, sys
 sys.argv = sys.argv[1:]
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:
-    print("peak-rss-kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+    hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    print("peak-rss-kib", hwm.split()[1], file=sys.stderr)
 """
 
 
