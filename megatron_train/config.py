@@ -203,6 +203,11 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the model weights from ``load``; optimizer, LR schedule, step and data
     position start fresh."""
+    init_from: str | None = None
+    """Weights to start from while save_dir holds no checkpoint yet (``load=auto``): a
+    megatron-train checkpoint (an imported one, say) or a Hugging Face model directory, whose
+    config.json then sets the model architecture. Optimizer and step start fresh; once this run
+    has saved, restarts resume from save_dir as usual."""
     interval: int = 0
     """Save every this many steps; 0 disables step-based saves."""
     interval_minutes: float = 0.0
@@ -348,6 +353,34 @@ def _apply_preset(raw: dict) -> None:
     raw["model"] = {**PRESETS[name], **model}
 
 
+def _apply_hf_architecture(raw: dict) -> None:
+    """A Hugging Face model in ``checkpoint.init_from`` fixes the architecture (its config.json)."""
+    init_from = (raw.get("checkpoint") or {}).get("init_from")
+    from megatron_train.hf import architecture
+
+    if not init_from or not architecture.is_hf_model_dir(Path(init_from)):
+        return
+    try:
+        options = architecture.model_options(architecture.read_hf_config(Path(init_from)))
+    except architecture.ConversionError as err:
+        raise ConfigError(
+            "checkpoint.init_from", str(err), "start from a Llama, Mistral or Qwen2 model"
+        ) from err
+    model = raw.setdefault("model", {})
+    if model.get("preset") is not None:
+        raise ConfigError(
+            "model.preset", "conflicts with the Hugging Face model in checkpoint.init_from", "remove it"
+        )
+    for key, value in options.items():
+        if key in model and model[key] != value:
+            raise ConfigError(
+                f"model.{key}",
+                f"is {model[key]!r} but {init_from}/config.json has {value!r}",
+                f"remove model.{key}: the Hugging Face model sets it",
+            )
+    model.update(options)
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig:
     """Read a YAML config, apply ``key.sub=value`` overrides and build the typed config."""
     path = Path(path)
@@ -368,6 +401,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig
             node = child
         node[keys[-1]] = value
     _apply_preset(raw)
+    _apply_hf_architecture(raw)
     return from_dict(ExperimentConfig, raw)
 
 
@@ -532,6 +566,12 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
         ("train.exit_after_minutes", t.exit_after_minutes),
     ]:
         _require_at_least(0, key, value, "0 (off) or a positive value")
+    if c.init_from and c.load != "auto":
+        raise ConfigError(
+            "checkpoint.init_from",
+            f"applies only while resuming is automatic, but checkpoint.load={c.load!r}",
+            "set checkpoint.load=auto, or load the weights with checkpoint.load + checkpoint.finetune",
+        )
     if c.finetune and c.load in ("auto", "none"):
         raise ConfigError(
             "checkpoint.finetune",
@@ -543,6 +583,12 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
 def validate_inputs(cfg: ExperimentConfig) -> None:
     """The training data and tokenizer the config names exist."""
     d = cfg.data
+    if cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).exists():
+        raise ConfigError(
+            "checkpoint.init_from",
+            f"{cfg.checkpoint.init_from!r} does not exist",
+            "point it at a checkpoint or a Hugging Face model directory",
+        )
     if not d.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     if d.tokenizer.path is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 from megatron.core import parallel_state
@@ -46,25 +47,41 @@ def _shards(sharded_state_dict: dict) -> list[ShardedTensor]:
     return shards
 
 
+GlobalValue = Callable[[str, tuple[int, ...], tuple[int, ...]], torch.Tensor]
+
+
 @torch.no_grad()
-def initialize_weights(model_chunks: list[torch.nn.Module], seed: int, std: float, num_layers: int) -> None:
-    """Fill every parameter of the (unwrapped) model chunks with its layout-independent value."""
+def fill_weights(model_chunks: list[torch.nn.Module], value: GlobalValue) -> None:
+    """Set every weight of the model chunks (DDP-wrapped or not) from its global value.
+
+    ``value(key, layer_index, global_shape)`` gives a whole tensor as megatron's sharded state
+    dict names it (``layer_index`` is ``(layer,)`` for per-layer tensors, ``()`` otherwise);
+    every rank keeps its own TP slice of it.
+    """
     metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     for chunk in model_chunks:
-        for shard in _shards(chunk.sharded_state_dict(metadata=metadata)):
+        for shard in _shards(getattr(chunk, "module", chunk).sharded_state_dict(metadata=metadata)):
             if shard.data is None or not shard.data.is_floating_point():
                 continue
             pre = shard.prepend_axis_num
-            layer_index = shard.global_offset[:pre]
-            device = shard.data.device
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed ^ zlib.crc32(f"{shard.key}|{layer_index}".encode()))
-            full = _init_global(shard.key, shard.global_shape[pre:], std, num_layers, gen)
+            full = value(shard.key, shard.global_offset[:pre], shard.global_shape[pre:])
             index = tuple(
                 slice(offset, offset + size)
                 for offset, size in zip(shard.global_offset[pre:], shard.local_shape)
             )
-            shard.data.copy_(full[index].to(device=device, dtype=shard.data.dtype))
+            shard.data.copy_(full[index].to(device=shard.data.device, dtype=shard.data.dtype))
+
+
+def initialize_weights(model_chunks: list[torch.nn.Module], seed: int, std: float, num_layers: int) -> None:
+    """Give every parameter its layout-independent random initial value."""
+    device = next(model_chunks[0].parameters()).device
+
+    def value(key: str, layer_index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed ^ zlib.crc32(f"{key}|{layer_index}".encode()))
+        return _init_global(key, shape, std, num_layers, gen)
+
+    fill_weights(model_chunks, value)
 
 
 def mark_tensor_parallel_weights(model_chunks: list[torch.nn.Module]) -> None:

@@ -85,6 +85,8 @@ def check_resume(cfg: ExperimentConfig) -> str:
         raise ConfigError(
             "checkpoint.load", str(err), "point it at a complete checkpoint or set it to auto / none"
         ) from err
+    if decision.path is None and cfg.checkpoint.init_from:
+        return f"starts from checkpoint.init_from={cfg.checkpoint.init_from}"
     if decision.path is None:
         return "starts fresh (" + "; ".join(decision.notes) + ")"
     saved = read_common(decision.path)["config"]["model"]

@@ -80,3 +80,28 @@ def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
 def test_shipped_configs_load(path):
     cfg = load_config(path)
     assert cfg.model.num_layers % (cfg.parallel.pipeline * (cfg.parallel.virtual_pipeline or 1)) == 0
+
+
+def test_init_from_an_hf_model_sets_the_architecture_and_refuses_conflicts(good_config, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf)
+    start = [f"checkpoint.init_from={hf}", "model.preset=null"]
+    cfg = load_config(good_config, start)
+    validate(cfg, world_size=1)
+    assert (cfg.model.num_layers, cfg.model.ffn_hidden_size, cfg.model.norm_eps) == (2, 160, 1e-6)
+    for overrides, key in [
+        ([f"checkpoint.init_from={hf}"], "model.preset"),
+        ([*start, "model.hidden_size=128"], "model.hidden_size"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(good_config, overrides)
+        assert info.value.key == key
+    for overrides in ([*start, "checkpoint.load=none"], ["checkpoint.init_from=/nonexistent"]):
+        with pytest.raises(ConfigError) as info:
+            validate(load_config(good_config, overrides), world_size=1)
+        assert info.value.key == "checkpoint.init_from"

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_tool, torchrun_env, train_losses, write_config
+from conftest import ROOT, run_tool, torchrun, torchrun_env, train_losses, write_config
 from safetensors.torch import load_file, save_file
 
 from megatron_train.tokenizer import load_tokenizer
@@ -214,4 +214,40 @@ def test_bad_inputs_are_clear_errors_and_leave_nothing_behind(tmp_path, hf_model
     assert list(out.iterdir()) == []
     _expect_error(
         "export-hf", "--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "x"), needle="does not exist"
+    )
+
+
+@pytest.mark.slow
+def test_training_starts_from_an_hf_directory_then_resumes_from_its_own_checkpoints(tmp_path, corpus):
+    torch.manual_seed(3)
+    hf_config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": 1024, "max_position_embeddings": 128})
+    hf = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(hf_config).float().save_pretrained(hf)
+    convert("import-hf", "--hf", str(hf), "--out", str(tmp_path / "imported"))
+    same_model = {"preset": None, "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 160,
+                  "num_attention_heads": 4, "num_query_groups": 2, "norm_eps": 1e-6}  # fmt: skip
+    runs = {
+        # The architecture comes from config.json; TP2 slices the HF tensors directly.
+        "direct": (2, {"preset": None}, hf, ["parallel.tensor=2"]),
+        "imported": (1, same_model, tmp_path / "imported", []),
+    }
+    losses = {}
+    for name, (nproc, model, init_from, overrides) in runs.items():
+        config = write_config(
+            tmp_path / f"{name}.yaml", corpus, tmp_path / name, model=model,
+            checkpoint={"init_from": str(init_from)}, train={"steps": 3},
+        )  # fmt: skip
+        result = torchrun(nproc, config, *overrides)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"starting from checkpoint.init_from={init_from}" in result.stdout
+        losses[name] = train_losses(tmp_path / name)
+    assert len(losses["direct"]) == 3
+    assert max(abs(a - b) for a, b in zip(losses["direct"], losses["imported"])) < 1e-4
+
+    resumed = torchrun(2, tmp_path / "direct.yaml", "parallel.tensor=2", "train.steps=5")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "starting from checkpoint.init_from" not in resumed.stdout
+    assert (
+        train_losses(tmp_path / "direct")[:3] == losses["direct"]
+        and len(train_losses(tmp_path / "direct")) == 5
     )

@@ -40,6 +40,8 @@ from megatron_train.checkpoint.state import (
     restore_rng,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
+from megatron_train.hf.architecture import is_hf_model_dir
+from megatron_train.hf.convert import load_hf_weights
 from megatron_train.stopping import STOP_SIGNALS
 
 
@@ -165,7 +167,14 @@ class Checkpointer:
             decision = files.resolve_load(self.options.load, self.save_dir, self.options.verify_checksums)
         except CheckpointError as err:
             return None, [], f"checkpoint.load: {err}. Fix checkpoint.load (or set it to auto / none)"
-        return (str(decision.path) if decision.path else None), decision.notes, None
+        if decision.path is not None or not self.options.init_from:
+            return (str(decision.path) if decision.path else None), decision.notes, None
+        init_from = Path(self.options.init_from)
+        try:
+            path = init_from if is_hf_model_dir(init_from) else files.resolve_explicit(init_from)
+        except CheckpointError as err:
+            return None, [], f"checkpoint.init_from: {err}"
+        return str(path), [*decision.notes, f"starting from checkpoint.init_from={path}"], None
 
     def resolve(self) -> Path | None:
         """The checkpoint to start from (decided on rank 0, agreed by all); None starts fresh."""
@@ -180,9 +189,13 @@ class Checkpointer:
 
     def load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
-        common = read_common(path)
-        if self.options.finetune or common.get("weights_only"):
-            load_weights(path, model)
+        hf_model = is_hf_model_dir(path)
+        common = {} if hf_model else read_common(path)
+        if hf_model or self.options.finetune or common.get("weights_only"):
+            if hf_model:
+                load_hf_weights(model, path, self.cfg.model)
+            else:
+                load_weights(path, model)
             # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
             optimizer.reload_model_params()
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")

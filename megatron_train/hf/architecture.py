@@ -23,13 +23,6 @@ _LLAMA3_ROPE_FIXED = {
     "original_max_position_embeddings": 8192,
 }
 
-# Architecture-defining model options: taken from config.json, never from defaults.
-ARCHITECTURE_KEYS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "max_position_embeddings", "vocab_size", "norm_eps", "rotary_base",
-    "rope_scaling", "rope_scaling_factor", "tie_embeddings", "qkv_bias",
-)  # fmt: skip
-
 
 class ConversionError(ValueError):
     """Input a conversion cannot handle; the message names the problem and the fix."""

@@ -35,6 +35,7 @@ from megatron_train.hf import architecture
 from megatron_train.hf.architecture import ConversionError
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
 from megatron_train.hf.weights import Dims, export_plan, hf_shapes, megatron_tensors, to_hf, to_megatron
+from megatron_train.init import fill_weights
 
 SIDE_DIR = "hf"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
@@ -149,6 +150,19 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
         f"-> {final_ckpt}"
     )
     return final_ckpt
+
+
+def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig) -> None:
+    """Set the model's weights (any TP / PP, DDP-wrapped) from a Hugging Face directory, reading
+    one layer of one tensor at a time; ``m`` must be the architecture of its config.json."""
+    weights = HFWeights(Path(hf_dir))
+    dims = Dims.from_model(m)
+    weights.check_shapes(hf_shapes(dims))
+
+    def value(key: str, layer_index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        return to_megatron(dims, key, layer_index[0] if layer_index else None, weights.get)
+
+    fill_weights(model, value)
 
 
 class _CheckpointTensors:
