@@ -13,7 +13,13 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from megatron_train.config import ConfigError, ExperimentConfig, checkpoint_dir, padded_vocab_size
+from megatron_train.config import (
+    ConfigError,
+    ExperimentConfig,
+    checkpoint_dir,
+    data_parallel_size,
+    padded_vocab_size,
+)
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,7 @@ def estimate_memory(cfg: ExperimentConfig, world_size: int) -> MemoryEstimate:
     """Weights (bf16), fp32 grads, fp32 main params + Adam moments (sharded over DP with the
     distributed optimizer), and 1F1B activations with flash attention (Korthikanti et al.)."""
     p, t, m = cfg.parallel, cfg.train, cfg.model
-    dp = world_size // (p.tensor * p.pipeline * p.context)
+    dp = data_parallel_size(cfg, world_size)
     params = stage_parameters(cfg)
     optimizer_shards = dp if cfg.optimizer.distributed else 1
     s, b, h = cfg.data.seq_length / p.context, t.micro_batch_size, m.hidden_size
@@ -112,7 +118,7 @@ def run(config: str, overrides: list[str], world_size: int) -> tuple[list[str], 
     mem = estimate_memory(cfg, world_size)
     gib = 2**30
     p = cfg.parallel
-    dp = world_size // (p.tensor * p.pipeline * p.context)
+    dp = data_parallel_size(cfg, world_size)
     lines = [
         f"layout: TP{p.tensor} x PP{p.pipeline} x CP{p.context} x DP{dp} = {world_size} ranks; "
         f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step",

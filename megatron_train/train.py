@@ -212,11 +212,11 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_CONFIG
     warnings.filterwarnings("ignore", module="megatron")
     rt = runtime.initialize(cfg, env)
-    from megatron_train.checkpoint.files import CheckpointError
+    from megatron_train.cli import BAD_INPUT
 
     try:
         run_dir, exit_code = train(cfg, rt)
-    except CheckpointError as err:
+    except BAD_INPUT as err:  # a bad checkpoint or Hugging Face directory to start from
         if rt.is_main:
             print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
