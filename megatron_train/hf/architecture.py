@@ -122,8 +122,9 @@ def caveats(hf: dict) -> list[str]:
     return []
 
 
-def hf_config(m: ModelConfig, dtype: torch.dtype) -> dict:
-    """A transformers config.json for a model we trained from scratch (Qwen2 when QKV has biases)."""
+def hf_config(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int | None]) -> dict:
+    """A transformers config.json for a model we trained from scratch (Qwen2 when QKV has biases);
+    ``special_tokens`` are its tokenizer's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id``."""
     import transformers
 
     common = dict(
@@ -138,6 +139,7 @@ def hf_config(m: ModelConfig, dtype: torch.dtype) -> dict:
         rms_norm_eps=m.norm_eps,
         tie_word_embeddings=m.tie_embeddings,
         hidden_act="silu",
+        **special_tokens,
     )
     rope = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
     if m.rope_scaling:

@@ -202,19 +202,23 @@ def _hf_side(path: Path, common: dict, dtype: torch.dtype | None, out: Path) -> 
         return dtype or architecture.hf_dtype(hf) or torch.float32
     model = from_dict(ModelConfig, common["config"]["model"])
     dtype = dtype or torch.bfloat16
-    (out / "config.json").write_text(json.dumps(architecture.hf_config(model, dtype), indent=2) + "\n")
-    _export_tokenizer(common["config"]["data"]["tokenizer"], out)
+    tokenizer = _export_tokenizer(common["config"]["data"]["tokenizer"], out)
+    # transformers' defaults (bos 1, eos 2) are not our tokenizer's: generation must stop at its eos.
+    special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id", None) for t in ("bos", "eos", "pad")}
+    config = architecture.hf_config(model, dtype, special)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dtype
 
 
-def _export_tokenizer(tokenizer: dict, out: Path) -> None:
+def _export_tokenizer(tokenizer: dict, out: Path):
+    """Save the run's tokenizer in transformers' format into ``out``; returns it (None if absent)."""
     import transformers
 
     path = tokenizer.get("path")
     if not path or not Path(path).exists():
-        return
+        return None
     if tokenizer["type"] == "huggingface":
-        transformers.AutoTokenizer.from_pretrained(path).save_pretrained(str(out))
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     else:
         import sentencepiece
 
@@ -225,7 +229,8 @@ def _export_tokenizer(tokenizer: dict, out: Path) -> None:
         hf_tokenizer = transformers.LlamaTokenizer.from_pretrained(
             str(out), add_prefix_space=pieces[0].startswith("\u2581")
         )
-        hf_tokenizer.save_pretrained(str(out))
+    hf_tokenizer.save_pretrained(str(out))
+    return hf_tokenizer
 
 
 def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
