@@ -41,6 +41,12 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records(run_dir) if "loss" in r]
 
 
+def single_rank(config: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """One training process without torchrun (how srun starts each rank)."""
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+
+
 def run_tool(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run a repo script or module with this interpreter, from the repo root."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -90,3 +96,13 @@ def write_config(path: Path, corpus: dict[str, Path], run_dir: Path, **sections)
         cfg.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, corpus) -> dict:
+    """A finished single-rank run with checkpoints at steps 2 and 4 (tests copy it before damaging it)."""
+    d = tmp_path_factory.mktemp("trained")
+    config = write_config(d / "cfg.yaml", corpus, d / "run", checkpoint={"interval": 2}, train={"steps": 4})
+    result = single_rank(config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {"config": config, "run": d / "run", "save_dir": d / "run" / "checkpoints"}

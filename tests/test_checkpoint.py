@@ -16,17 +16,20 @@ import pytest
 import torch
 
 from megatron_train.checkpoint import files
-from tests.conftest import ROOT, records, run_tool, torchrun, torchrun_command, torchrun_env, write_config
+from tests.conftest import (
+    ROOT,
+    records,
+    run_tool,
+    single_rank,
+    torchrun,
+    torchrun_command,
+    torchrun_env,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
 EXIT_BAD_INPUT, EXIT_STOPPED_EARLY = 2, 3
-
-
-def single_rank(config: Path, *overrides: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """One training process without torchrun (how srun starts each rank)."""
-    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -181,16 +184,6 @@ def test_time_budget_and_minute_interval(tmp_path, corpus):
     saves = result.stdout.count("save started")
     assert saves >= 3, result.stdout[-3000:]
     assert len(files.checkpoint_dirs(tmp_path / "run" / "checkpoints")) == 2, "keep_last=2"
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, corpus) -> dict:
-    """A finished single-rank run with checkpoints at steps 2 and 4."""
-    d = tmp_path_factory.mktemp("trained")
-    config = write_config(d / "cfg.yaml", corpus, d / "run", checkpoint={"interval": 2}, train={"steps": 4})
-    result = single_rank(config)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return {"config": config, "run": d / "run", "save_dir": d / "run" / "checkpoints"}
 
 
 def test_kill_during_async_save_resumes_from_previous_complete(tmp_path, corpus):

@@ -138,27 +138,24 @@ def test_greedy_generation_matches_transformers_at_tp2(hf_models, imported):
 
 
 @pytest.mark.slow
-def test_trained_checkpoint_exports_and_generates_text_in_transformers(tmp_path, corpus):
-    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 10})
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_train.train", "--config", str(config)],
-        cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len(train_losses(tmp_path / "run")) == 10
+def test_trained_checkpoint_exports_and_generates_text_in_transformers(tmp_path, corpus, trained):
     out = tmp_path / "hf"
-    convert("export-hf", "--ckpt", str(tmp_path / "run" / "checkpoints"), "--out", str(out))
+    convert("export-hf", "--ckpt", str(trained["save_dir"]), "--out", str(out))
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    )
     prompt = tokenizer("def main(", return_tensors="pt")
     generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
     text = tokenizer.decode(generated[0][prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-    # 10 steps of training mostly predict indentation: text, if not interesting text.
-    assert generated.shape[1] == prompt["input_ids"].shape[1] + 12 and text
+    # 4 steps of training mostly predict indentation: text, if not interesting text.
+    assert prompt["input_ids"].shape[1] < generated.shape[1] <= prompt["input_ids"].shape[1] + 12 and text
     ours = load_tokenizer("sentencepiece", str(corpus["tokenizer"])).tokenize("def main(")
     assert tokenizer("def main(", add_special_tokens=False)["input_ids"] == list(ours)
     sampled = run_tool(
-        "tools/generate.py", "--ckpt", str(tmp_path / "run" / "checkpoints"), "--prompt", "def main(",
+        "tools/generate.py", "--ckpt", str(trained["save_dir"]), "--prompt", "def main(",
         "--top-p", "0.9", "--max-new-tokens", "8",
     )  # fmt: skip
     assert (
