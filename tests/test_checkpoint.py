@@ -83,8 +83,8 @@ EXACT_LAYOUTS = [
 
 @pytest.mark.parametrize(("name", "nproc", "layout"), EXACT_LAYOUTS, ids=[x[0] for x in EXACT_LAYOUTS])
 def test_kill9_after_a_save_then_auto_resume_is_bitwise_identical(tmp_path, corpus, name, nproc, layout):
-    checkpoint = {"interval": 5}
-    train = {"steps": 20, "eval_interval": 5}
+    checkpoint = {"interval": 4}
+    train = {"steps": 12, "eval_interval": 4}
     straight = write_config(tmp_path / "a.yaml", corpus, tmp_path / "a", checkpoint=checkpoint, train=train)
     result = torchrun(nproc, straight, *layout)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -93,7 +93,7 @@ def test_kill9_after_a_save_then_auto_resume_is_bitwise_identical(tmp_path, corp
     save_dir = tmp_path / "b" / "checkpoints"
     log = tmp_path / "killed.log"
     proc = start(torchrun_command(nproc, config, *layout), log)
-    wait_for(tracker_at(save_dir, 5), proc, log)
+    wait_for(tracker_at(save_dir, 4), proc, log)
     time.sleep(random.uniform(0.0, 1.0))
     kill_tree(proc)
     assert "done." not in log.read_text(), "the run finished before it could be killed"
@@ -123,7 +123,7 @@ def test_reshard_on_resume_changes_layout_and_world_size(tmp_path, corpus):
     assert result.returncode == 0, result.stderr[-4000:]
     expected = {r["step"]: r["loss"] for r in records(tmp_path / "base") if "loss" in r}
 
-    for name, nproc, layout in [("tp1pp1dp1", 1, []), ("tp1pp2dp4", 8, ["parallel.pipeline=2"])]:
+    for name, nproc, layout in [("tp1pp1dp1", 1, []), ("tp1pp1dp4", 4, [])]:
         run_dir = tmp_path / name
         shutil.copytree(
             tmp_path / "base" / "checkpoints" / "iter_0000003", run_dir / "checkpoints" / "iter_0000003"
