@@ -51,11 +51,10 @@ LAYOUTS = [
     # (tensor, pipeline, data, extra overrides)
     (2, 1, 1, []),
     (1, 2, 1, []),
-    (1, 1, 2, []),
-    (2, 2, 1, []),
+    (1, 1, 2, ["optimizer.distributed=false"]),
     (2, 2, 2, []),
     (2, 1, 1, ["parallel.sequence_parallel=true"]),
-    (2, 2, 2, ["parallel.sequence_parallel=true", "optimizer.distributed=false"]),
+    (2, 2, 1, ["parallel.sequence_parallel=true"]),
 ]
 
 
