@@ -41,6 +41,8 @@ FAMILIES = {
     "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
     # Qwen2: QKV biases and tied embeddings.
     "qwen2": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
+    # Llama 2: full multi-head attention (as many KV heads as query heads), RoPE theta 10000.
+    "llama2": lambda: transformers.LlamaConfig(**{**_COMMON, "num_key_value_heads": 4}),
 }
 
 
