@@ -173,7 +173,7 @@ def _expect_error(*args: str, needle: str, out=None) -> None:
         assert not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
 
 
-def test_bad_inputs_are_clear_errors_and_leave_nothing_behind(tmp_path, hf_models):
+def test_bad_inputs_are_clear_errors_and_leave_nothing_behind(tmp_path, hf_models, trained):
     llama = hf_models["llama"]
     out = tmp_path / "out"
     _expect_error("import-hf", "--hf", str(llama), "--out", str(out), "--tp", "3",
@@ -214,6 +214,10 @@ def test_bad_inputs_are_clear_errors_and_leave_nothing_behind(tmp_path, hf_model
     _expect_error(
         "export-hf", "--ckpt", str(tmp_path / "none"), "--out", str(tmp_path / "x"), needle="does not exist"
     )
+    exported = tmp_path / "exported"
+    _expect_error("export-hf", "--ckpt", str(trained["save_dir"]), "--out", str(exported),
+                  "--tokenizer", str(tmp_path / "moved.model"), needle="moved.model' (data.tokenizer.path",
+                  out=exported)  # fmt: skip
 
 
 @pytest.mark.slow

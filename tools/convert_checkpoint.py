@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--out", type=Path, required=True, help="new Hugging Face model directory")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
     exp.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors file")
+    exp.add_argument("--tokenizer", type=Path, help="the run's tokenizer, if it moved since training")
     args = parser.parse_args(argv)
     return cli.run(lambda: convert(args))
 
@@ -51,7 +52,7 @@ def convert(args: argparse.Namespace) -> None:
         import_hf(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple)
     else:
         dtype = getattr(torch, args.dtype) if args.dtype else None
-        export_hf(args.ckpt, args.out, dtype, int(args.max_shard_gib * 2**30))
+        export_hf(args.ckpt, args.out, dtype, int(args.max_shard_gib * 2**30), args.tokenizer)
 
 
 if __name__ == "__main__":

@@ -192,7 +192,9 @@ class _CheckpointTensors:
         return self._pending.pop(name)
 
 
-def _hf_side(path: Path, common: dict, dtype: torch.dtype | None, out: Path) -> torch.dtype:
+def _hf_side(
+    path: Path, common: dict, dtype: torch.dtype | None, tokenizer_path: Path | None, out: Path
+) -> torch.dtype:
     """Write config.json and tokenizer files into ``out``; returns the weights' dtype."""
     side = path / SIDE_DIR
     if side.is_dir():
@@ -202,29 +204,33 @@ def _hf_side(path: Path, common: dict, dtype: torch.dtype | None, out: Path) -> 
         return dtype or architecture.hf_dtype(hf) or torch.float32
     model = from_dict(ModelConfig, common["config"]["model"])
     dtype = dtype or torch.bfloat16
-    tokenizer = _export_tokenizer(common["config"]["data"]["tokenizer"], out)
+    tokenizer = _export_tokenizer(common["config"]["data"]["tokenizer"], tokenizer_path, out)
     # transformers' defaults (bos 1, eos 2) are not our tokenizer's: generation must stop at its eos.
-    special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id", None) for t in ("bos", "eos", "pad")}
+    special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
     config = architecture.hf_config(model, dtype, special)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dtype
 
 
-def _export_tokenizer(tokenizer: dict, out: Path):
-    """Save the run's tokenizer in transformers' format into ``out``; returns it (None if absent)."""
+def _export_tokenizer(tokenizer: dict, path: Path | None, out: Path):
+    """Save the run's tokenizer (``path`` overrides the one its config names) in transformers'
+    format into ``out``; returns it."""
     import transformers
 
-    path = tokenizer.get("path")
-    if not path or not Path(path).exists():
-        return None
+    path = path or Path(tokenizer["path"])
+    if not path.exists():
+        raise ConversionError(
+            f"the run's tokenizer {str(path)!r} (data.tokenizer.path in its config) does not exist; "
+            "pass --tokenizer with where it is now"
+        )
     if tokenizer["type"] == "huggingface":
-        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     else:
         import sentencepiece
 
         # transformers converts a SentencePiece model it finds as tokenizer.model in a directory;
         # whether words get a leading "▁" must follow the model's own add_dummy_prefix setting.
-        pieces = sentencepiece.SentencePieceProcessor(model_file=path).encode("x", out_type=str)
+        pieces = sentencepiece.SentencePieceProcessor(model_file=str(path)).encode("x", out_type=str)
         shutil.copy2(path, out / "tokenizer.model")
         hf_tokenizer = transformers.LlamaTokenizer.from_pretrained(
             str(out), add_prefix_space=pieces[0].startswith("\u2581")
@@ -234,13 +240,14 @@ def _export_tokenizer(tokenizer: dict, out: Path):
 
 
 def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
-              log: Callable[[str], None] = print) -> Path:  # fmt: skip
-    """Write a checkpoint as a transformers model directory ``out``; returns ``out``."""
+              tokenizer: Path | None = None, log: Callable[[str], None] = print) -> Path:  # fmt: skip
+    """Write a checkpoint as a transformers model directory ``out``; returns ``out``. ``tokenizer``
+    replaces the path a trained run's config names (imported checkpoints carry their own)."""
     path = files.resolve_explicit(Path(ckpt))
     common = read_common(path)
     dims = Dims.from_model(from_dict(ModelConfig, common["config"]["model"]))
     with _staging(out) as tmp:
-        dtype = _hf_side(path, common, dtype, tmp)
+        dtype = _hf_side(path, common, dtype, tokenizer, tmp)
         shards = write_weights(tmp, hf_shapes(dims), dtype, _CheckpointTensors(path, dims), max_shard_bytes)
     log(f"exported {path} -> {out} ({shards} shard(s), {str(dtype).removeprefix('torch.')})")
     return Path(out)
