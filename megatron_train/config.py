@@ -71,6 +71,11 @@ class ModelConfig:
     """Dropout after attention and MLP blocks."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
+    cross_entropy_fusion: bool = False
+    """Fused cross-entropy on GPU: Transformer Engine's kernel with the TE spec, megatron-core's
+    native fused one otherwise (never materialises the fp32 softmax). The CPU uses the plain one."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     """Layer implementation: Transformer Engine's fused layers, megatron-core's own layers with
     PyTorch SDPA attention, or ``auto`` (TE when it imports and CUDA is present)."""

@@ -30,6 +30,8 @@ def build_optimizer(
         ),
         model_chunks,
     )
+    if torch.cuda.is_available():
+        _use_fused_torch_adam(optimizer)
     gbs = t.global_batch_size
     wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, t.steps // 10)
     scheduler = OptimizerParamScheduler(
@@ -52,3 +54,13 @@ def build_optimizer(
         use_checkpoint_opt_param_scheduler=False,
     )
     return optimizer, scheduler
+
+
+def _use_fused_torch_adam(optimizer: MegatronOptimizer) -> None:
+    """Without TE or apex, megatron-core steps torch's Adam(W) with its multi-tensor (foreach)
+    path; on GPU torch's fused kernel computes the same update in far fewer launches."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if type(inner) in (torch.optim.AdamW, torch.optim.Adam):
+            for group in inner.param_groups:
+                group["foreach"], group["fused"] = False, True

@@ -83,6 +83,8 @@ def transformer_config(
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        cross_entropy_loss_fusion=m.cross_entropy_fusion and on_gpu,
+        cross_entropy_fusion_impl="te" if use_transformer_engine else "native",
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
     )
@@ -98,7 +100,9 @@ def build_model_chunks(
     for vp_stage in stages:
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, use_transformer_engine, vp_stage),
+            transformer_layer_spec=decoder_block_spec(
+                config, use_transformer_engine, vp_stage, cfg.model.attention_backend
+            ),
             vocab_size=padded_vocab_size(cfg.model),
             max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -8,6 +8,7 @@ parallel linears with an RMSNorm that supports sequence parallelism and PyTorch'
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -30,6 +31,14 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import divide
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+_SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
 
 
 def transformer_engine_available() -> bool:
@@ -74,6 +83,7 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        backend: str = "auto",
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size != 1:
@@ -86,6 +96,7 @@ class SDPAttention(MegatronModule):
         )
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.backends = None if backend == "auto" else [_SDPA_BACKENDS[backend]]
 
     def forward(
         self,
@@ -103,17 +114,19 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(is_causal=True, scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+        kernel = sdpa_kernel(self.backends) if self.backends else contextlib.nullcontext()
         if dropout_p > 0 and not self.config.sequence_parallel:
             # Heads differ per TP rank, so their dropout masks come from the model-parallel RNG.
-            with tensor_parallel.get_cuda_rng_tracker().fork():
+            with tensor_parallel.get_cuda_rng_tracker().fork(), kernel:
                 out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
+            with kernel:
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
         seq, batch = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
 
 
-def local_layer_spec() -> ModuleSpec:
+def local_layer_spec(attention_backend: str = "auto") -> ModuleSpec:
     """A Llama layer from megatron-core parallel linears, RMSNorm and SDPA attention."""
     return ModuleSpec(
         module=TransformerLayer,
@@ -124,7 +137,7 @@ def local_layer_spec() -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=SDPAttention,
+                    core_attention=ModuleSpec(module=SDPAttention, params={"backend": attention_backend}),
                     linear_proj=RowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
@@ -147,7 +160,10 @@ def local_layer_spec() -> ModuleSpec:
 
 
 def decoder_block_spec(
-    config: TransformerConfig, use_transformer_engine: bool, vp_stage: int | None
+    config: TransformerConfig,
+    use_transformer_engine: bool,
+    vp_stage: int | None,
+    attention_backend: str = "auto",
 ) -> ModuleSpec:
     """The decoder block for this pipeline stage (and virtual stage)."""
     if use_transformer_engine:
@@ -155,7 +171,7 @@ def decoder_block_spec(
 
         layer, final_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
     else:
-        layer, final_norm = local_layer_spec(), RMSNorm
+        layer, final_norm = local_layer_spec(attention_backend), RMSNorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,

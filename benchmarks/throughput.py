@@ -1,0 +1,415 @@
+"""Training throughput on one device: megatron-train against torchtitan and a plain transformers loop.
+
+    python benchmarks/throughput.py [--frameworks ours,ours-te,torchtitan,hf] [--steps 20] [--warmup 5]
+        [--micro-batch 2] [--grad-accum 4] [--seq 4096] [--compile] [--profile DIR]
+    python benchmarks/throughput.py --device cpu --tiny        # a dry run of every code path
+
+The model is torchtitan's Llama-3 "1B" flavour (16 layers x 2048, GQA 32/8, SwiGLU 6144, vocab
+128256, tied embeddings, RoPE theta 500000), built by each framework in bf16 mixed precision (fp32
+master weights and gradient reduction, bf16 compute) and trained on random tokens with AdamW. Each
+framework runs in its own process so memory peaks do not mix. One table prints tokens/s, TFLOP/s,
+MFU and peak memory; every framework's TFLOP/s uses the same count (:func:`flops_per_token`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# torchtitan's llama3 "1B": ffn = 1024 * ceil(int(2 * 4 * 2048 / 3) / 1024).
+LLAMA3_1B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                 num_query_groups=8, vocab_size=128256, rotary_base=500000, seq=4096)  # fmt: skip
+TINY = dict(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,
+            num_query_groups=2, vocab_size=1024, rotary_base=500000, seq=128)  # fmt: skip
+FRAMEWORKS = ("ours", "ours-te", "torchtitan", "hf")
+RESULT = "RESULT "
+
+
+def flops_per_token(m: dict, seq: int) -> float:
+    """Training FLOPs per token: 3 x the forward matmuls, causal attention counted half.
+
+    Forward per layer: 2*h*(q + 2kv) (QKV) + 2*q*h (output) + 6*h*ffn (SwiGLU) + 2*s*q (QK^T and
+    AV over the causal half); plus 2*h*V for the output layer. This is Megatron-LM's convention.
+    """
+    h, ffn, layers, vocab = m["hidden_size"], m["ffn_hidden_size"], m["num_layers"], m["vocab_size"]
+    head = h // m["num_attention_heads"]
+    q, kv = head * m["num_attention_heads"], head * m["num_query_groups"]
+    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 6 * h * ffn + 2 * seq * q
+    return 3.0 * (layers * per_layer + 2 * h * vocab)
+
+
+def peak_tflops() -> float | None:
+    from megatron_train.metrics import peak_tflops as ours
+
+    return ours()
+
+
+def _timed(step, steps: int, warmup: int, sync) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _report(name: str, times: list[float], tokens_per_step: int, m: dict, seq: int, note: str) -> None:
+    import torch
+
+    step = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    record = dict(framework=name, step_s=step, tokens_per_s=tokens_per_step / step,
+                  tflops=flops_per_token(m, seq) * tokens_per_step / step / 1e12, peak_mem_gib=peak,
+                  note=note)  # fmt: skip
+    print(RESULT + json.dumps(record), flush=True)
+
+
+def _random_batches(m: dict, seq: int, micro_batch: int, count: int = 4):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, m["vocab_size"], (micro_batch, seq + 1), generator=gen) for _ in range(count)]
+
+
+def run_ours(args, m: dict, te: bool) -> None:
+    import torch
+
+    from megatron_train import runtime
+    from megatron_train.config import ExperimentConfig, from_dict, parse_override, validate_options
+    from megatron_train.model import build_model
+    from megatron_train.optim import build_optimizer
+    from megatron_train.step import Stepper
+
+    on_gpu = torch.cuda.is_available()
+    model = {k: v for k, v in m.items() if k != "seq"}
+    raw = {
+        "model": {**model, "max_position_embeddings": m["seq"], "tie_embeddings": True,
+                  "transformer_impl": "transformer_engine" if te else "local"},
+        "data": {"seq_length": m["seq"], "blend": ["unused"], "tokenizer": {"path": "unused"}},
+        "train": {"micro_batch_size": args.micro_batch, "steps": args.warmup + args.steps,
+                  "global_batch_size": args.micro_batch * args.grad_accum,
+                  "precision": "bf16" if on_gpu else "fp32"},
+        "optimizer": {"lr": 1e-4, "warmup_steps": 0},
+    }  # fmt: skip
+    for text in args.set:
+        *path, name = parse_override(text)[0]
+        node = raw
+        for key in path:
+            node = node.setdefault(key, {})
+        node[name] = parse_override(text)[1]
+    cfg = from_dict(ExperimentConfig, raw)
+    validate_options(cfg, 1)
+    rt = runtime.initialize(cfg, runtime.launch_env())
+    chunks = build_model(cfg, rt)
+    optimizer, scheduler = build_optimizer(cfg, chunks, rt.dtype)
+    stepper = Stepper(cfg, chunks, optimizer, scheduler, rt.device)
+    pool = _random_batches(m, m["seq"], args.micro_batch)
+    positions = torch.arange(m["seq"]).expand(args.micro_batch, m["seq"])
+
+    def batches():
+        i = 0
+        while True:
+            tokens = pool[i % len(pool)]
+            i += 1
+            yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": positions,
+                   "loss_mask": torch.ones(args.micro_batch, m["seq"])}  # fmt: skip
+
+    data = [batches()]
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    with _profiler(args, "ours-te" if te else "ours"):
+        times = _timed(lambda: stepper.train_step(data), args.steps, args.warmup, sync)
+    _report(
+        "ours-te" if te else "ours",
+        times,
+        args.micro_batch * args.grad_accum * m["seq"],
+        m,
+        m["seq"],
+        "megatron-core GPTModel, "
+        + ("Transformer Engine spec" if te else "local spec (SDPA)")
+        + "".join(f", {x}" for x in args.set),
+    )
+    runtime.shutdown()
+
+
+def run_hf(args, m: dict) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = LlamaConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["hidden_size"], intermediate_size=m["ffn_hidden_size"],
+        num_hidden_layers=m["num_layers"], num_attention_heads=m["num_attention_heads"],
+        num_key_value_heads=m["num_query_groups"], max_position_embeddings=m["seq"],
+        rope_theta=m["rotary_base"], tie_word_embeddings=True, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device)
+    if args.compile:
+        model = torch.compile(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    pool = [b.to(device) for b in _random_batches(m, m["seq"], args.micro_batch)]
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step():
+        for i in range(args.grad_accum):
+            tokens = pool[i % len(pool)]
+            with amp:
+                loss = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss / args.grad_accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with _profiler(args, "hf"):
+        times = _timed(step, args.steps, args.warmup, sync)
+    _report("hf", times, args.micro_batch * args.grad_accum * m["seq"], m, m["seq"],
+            "transformers LlamaForCausalLM (SDPA) + fused AdamW, autocast bf16"
+            + (", torch.compile" if args.compile else ""))  # fmt: skip
+
+
+def _profiler(args, name: str):
+    import contextlib
+
+    import torch
+
+    if not args.profile:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def done(prof):
+        prof.export_chrome_trace(str(out / f"{name}.json"))
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+
+    # Trace two steps after the warm-up; the timings of traced steps are not reported as figures.
+    schedule = torch.profiler.schedule(wait=0, warmup=args.warmup, active=2, repeat=1)
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=done)
+
+
+# torchtitan reads its Trainer config from a Python module: this one is written to a scratch dir.
+TITAN_CONFIG = """
+import os
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import default_adamw
+from torchtitan.config import CompileConfig, TrainingConfig
+from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
+from torchtitan.models.common.config_utils import decoder_vocab_size
+from torchtitan.models.llama3 import model_registry
+from torchtitan.trainer import Trainer
+
+
+def bench() -> Trainer.Config:
+    spec = model_registry("1B", attn_backend=os.environ["BENCH_ATTN"])
+    mb, accum = int(os.environ["BENCH_MICRO_BATCH"]), int(os.environ["BENCH_ACCUM"])
+    return Trainer.Config(
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(spec))),
+        hf_assets_path=os.environ["BENCH_TOKENIZER"],
+        model_spec=spec,
+        optimizer=default_adamw(lr=1e-4),
+        training=TrainingConfig(local_batch_size=mb, global_batch_size=mb * accum,
+                                seq_len=int(os.environ["BENCH_SEQ"]), steps=int(os.environ["BENCH_STEPS"])),
+        dataloader=HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=os.environ["BENCH_DATA"]),
+        metrics=MetricsProcessor.Config(log_freq=1),
+        activation_checkpoint=None,
+        compile=CompileConfig(enable=os.environ["BENCH_COMPILE"] == "1"),
+        dump_folder=os.environ["BENCH_DUMP"],
+    )
+"""
+
+
+def _titan_inputs(scratch: Path) -> tuple[Path, Path]:
+    """A word-level tokenizer and a jsonl corpus of random words: torchtitan's loader needs both."""
+    import random
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(8000)]
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok_dir, data_dir = scratch / "tokenizer", scratch / "c4_test"
+    tok_dir.mkdir(parents=True)
+    data_dir.mkdir(parents=True)
+    tokenizer.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": specials[0], "eos_token": specials[1], "tokenizer_class": "PreTrainedTokenizerFast"}
+        )
+    )
+    rng = random.Random(0)
+    with open(data_dir / "train.json", "w") as out:
+        for _ in range(2000):
+            out.write(json.dumps({"text": " ".join(rng.choices(words, k=600))}) + "\n")
+    return tok_dir, data_dir
+
+
+def run_titan(args, m: dict) -> None:
+    import re
+
+    import torch
+
+    if not torch.cuda.is_available() or args.tiny:
+        raise SystemExit("torchtitan runs its Llama-3 1B on CUDA only")
+    scratch = Path(tempfile.mkdtemp(prefix="titan-bench-"))
+    tok_dir, data_dir = _titan_inputs(scratch)
+    (scratch / "titan_bench.py").write_text(TITAN_CONFIG)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(scratch), os.environ.get("PYTHONPATH", "")]),
+           "BENCH_TOKENIZER": str(tok_dir), "BENCH_DATA": str(data_dir), "BENCH_DUMP": str(scratch / "out"),
+           "BENCH_MICRO_BATCH": str(args.micro_batch), "BENCH_ACCUM": str(args.grad_accum),
+           "BENCH_SEQ": str(m["seq"]), "BENCH_STEPS": str(args.warmup + args.steps),
+           "BENCH_COMPILE": "1" if args.compile else "0", "BENCH_ATTN": args.titan_attention}  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "-m", "torchtitan.train", "--module", "titan_bench", "--config", "bench"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, env=env, cwd=scratch, capture_output=True, text=True, timeout=args.titan_timeout
+    )
+    log = proc.stdout + proc.stderr
+    if args.log_dir:
+        Path(args.log_dir, "torchtitan.log").write_text(log)
+    if proc.returncode != 0:
+        raise SystemExit("torchtitan failed: " + " | ".join(log.strip().splitlines()[-3:]))
+    ansi = re.compile(r"\x1b\[[0-9;]*m")
+    steps, mem = {}, 0.0
+    for line in map(lambda s: ansi.sub("", s), log.splitlines()):
+        found = re.search(r"step:\s*(\d+).*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+)", line)
+        if found:
+            steps[int(found[1])] = float(found[3].replace(",", ""))
+            mem = max(mem, float(found[2]))
+    tps = [v for k, v in steps.items() if k > args.warmup]
+    if not tps:
+        raise SystemExit("torchtitan printed no step lines after the warm-up")
+    tokens = args.micro_batch * args.grad_accum * m["seq"]
+    step = statistics.median(tokens / t for t in tps)
+    note = f"torchtitan Trainer (FSDP2, bf16 compute, fp32 master), {args.titan_attention} attention"
+    note += (", torch.compile" if args.compile else "") + "; memory is its max reserved"
+    record = dict(
+        framework="torchtitan",
+        step_s=step,
+        tokens_per_s=tokens / step,
+        tflops=flops_per_token(m, m["seq"]) * tokens / step / 1e12,
+        peak_mem_gib=mem,
+        note=note,
+    )
+    print(RESULT + json.dumps(record), flush=True)
+
+
+def worker(args) -> None:
+    m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
+    if args.worker == "ours":
+        run_ours(args, m, te=False)
+    elif args.worker == "ours-te":
+        from models.specs import transformer_engine_available
+
+        if not transformer_engine_available():
+            raise SystemExit("Transformer Engine is not installed (or no GPU)")
+        run_ours(args, m, te=True)
+    elif args.worker == "torchtitan":
+        run_titan(args, m)
+    else:
+        run_hf(args, m)
+
+
+def _table(results: dict[str, dict | str], peak: float | None, m: dict, args) -> str:
+    lines = [
+        f"model: Llama-3 {'tiny' if args.tiny else '1B'} ({m['num_layers']}x{m['hidden_size']}, GQA "
+        f"{m['num_attention_heads']}/{m['num_query_groups']}, SwiGLU {m['ffn_hidden_size']}, vocab "
+        f"{m['vocab_size']}), seq {m['seq']}, micro-batch {args.micro_batch} x {args.grad_accum} "
+        f"accumulation, median of {args.steps} steps after {args.warmup}",
+        "FLOPs/token = 3 x forward matmuls, causal attention counted half (Megatron-LM): "
+        f"{flops_per_token(m, m['seq']) / 1e9:.2f} GFLOP; MFU against "
+        + (f"{peak:.0f} TFLOP/s dense bf16" if peak else "no known peak"),
+        f"{'framework':<12} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}  notes",
+    ]
+    for name, r in results.items():
+        if isinstance(r, str):
+            lines.append(f"{name:<12} {'-':>10} {'-':>8} {'-':>6} {'-':>9}  {r}")
+            continue
+        mfu = f"{100 * r['tflops'] / peak:.1f}%" if peak else "-"
+        lines.append(f"{name:<12} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.1f} {mfu:>6} "
+                     f"{r['peak_mem_gib']:>9.1f}  {r['note']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated subset of "
+                        + ", ".join(FRAMEWORKS))  # fmt: skip
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model at seq 128 (dry run)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=4)
+    parser.add_argument("--compile", action="store_true", help="torch.compile (torchtitan and hf)")
+    parser.add_argument("--titan-attention", default="flex", help="torchtitan attn_backend (flex, varlen)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="a config override for ours, e.g. model.attention_backend=cudnn (repeatable)",
+    )
+    parser.add_argument("--titan-timeout", type=float, default=600, help="seconds torchtitan may take")
+    parser.add_argument("--profile", help="write a torch profiler trace of two steps per framework here")
+    parser.add_argument("--log-dir", help="keep each framework's full output here")
+    parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict | str] = {}
+    forwarded = sys.argv[1:]
+    for name in args.frameworks.split(","):
+        if name not in FRAMEWORKS:
+            parser.error(f"--frameworks: unknown framework {name!r}; choose from {', '.join(FRAMEWORKS)}")
+        proc = subprocess.run([sys.executable, __file__, "--worker", name, *forwarded], env=env,
+                              capture_output=True, text=True)  # fmt: skip
+        if args.log_dir:
+            Path(args.log_dir, f"{name}.log").write_text(proc.stdout + proc.stderr)
+        found = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
+        if proc.returncode == 0 and found:
+            results[name] = json.loads(found[-1][len(RESULT) :])
+        else:
+            tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+            results[name] = f"did not run: {tail[:200]}"
+        print(f"{name}: {results[name] if isinstance(results[name], str) else 'done'}", flush=True)
+    m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
+    peak = None
+    if args.device == "cuda":
+        import torch
+
+        peak = peak_tflops() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(_table(results, peak, m, args))
+    return 0 if any(isinstance(r, dict) for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Build a wheelhouse that installs megatron-train on a GPU node without a package index, keeping
+# the node's own torch (and CUDA libraries).
+#
+#   tools/build_wheelhouse.sh [--python 3.12] [--out wheelhouse] [--node-freeze FILE] [--with-te cu13|cu12]
+#
+# Run it where PyPI is reachable. --node-freeze takes the node's `python -m pip list --format=freeze`:
+# versions the node already has are then kept, and their wheels left out (a much smaller copy).
+# --with-te adds Transformer Engine 2.11 (the newest inside megatron-core 0.16.1's supported range):
+# its prebuilt core wheel for that CUDA major version, and the source of its torch extension, which
+# the node compiles against its own torch. On the node: `bash wheelhouse/install.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYV=3.12 OUT=wheelhouse FREEZE="" TE=""
+TE_VERSION=2.11.0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --python) PYV=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
+        --node-freeze) FREEZE=$2; shift 2 ;;
+        --with-te) TE=$2; shift 2 ;;
+        *) echo "build_wheelhouse.sh: unknown argument '$1' (see the header of this script)" >&2; exit 2 ;;
+    esac
+done
+if [[ ! "$PYV" =~ ^3\.[0-9]+$ ]]; then echo "build_wheelhouse.sh: --python wants e.g. 3.12, got '$PYV'" >&2; exit 2; fi
+if [ -n "$TE" ] && [ "$TE" != cu12 ] && [ "$TE" != cu13 ]; then
+    echo "build_wheelhouse.sh: --with-te takes cu12 or cu13 (the node's CUDA major version), got '$TE'" >&2; exit 2
+fi
+if [ -n "$FREEZE" ] && [ ! -f "$FREEZE" ]; then echo "build_wheelhouse.sh: --node-freeze: no file '$FREEZE'" >&2; exit 2; fi
+if [ -e "$OUT" ]; then echo "build_wheelhouse.sh: '$OUT' exists; remove it or pick another --out" >&2; exit 2; fi
+PY=${PYTHON:-python3}
+"$PY" -m uv --version >/dev/null 2>&1 || "$PY" -m pip install -q uv
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/out"
+
+# torch is the node's: excluding it (and so everything only torch needs) from the resolution.
+echo "torch; sys_platform == 'never'" >"$WORK/override.txt"
+# The node's freeze constrains the resolution to what it has (local version tags like +cu130 dropped).
+CONSTRAINT=()
+if [ -n "$FREEZE" ]; then
+    grep -E '^[A-Za-z0-9_.-]+==' "$FREEZE" | sed 's/+.*//' >"$WORK/node.txt"
+    CONSTRAINT=(--constraint "$WORK/node.txt")
+fi
+REQS=(pyproject.toml)
+if [ -n "$TE" ]; then
+    # The core wheel, plus what the torch extension (an sdist, outside this resolution) installs.
+    printf '%s\n' "transformer-engine-$TE==$TE_VERSION" einops onnx onnxscript packaging pydantic >"$WORK/te.in"
+    REQS+=("$WORK/te.in")
+fi
+"$PY" -m uv pip compile -q "${REQS[@]}" --python-version "$PYV" --python-platform x86_64-manylinux_2_28 \
+    --override "$WORK/override.txt" "${CONSTRAINT[@]}" --no-header --no-annotate -o "$WORK/all.txt"
+# What the node already has at the resolved version needs no wheel.
+if [ -n "$FREEZE" ]; then
+    tr 'A-Z_' 'a-z-' <"$WORK/node.txt" | sort >"$WORK/node_norm.txt"
+    while read -r line; do
+        norm=$(echo "$line" | tr 'A-Z_' 'a-z-')
+        grep -qxF "$norm" "$WORK/node_norm.txt" || echo "$line"
+    done <"$WORK/all.txt" >"$WORK/needed.txt"
+else
+    cp "$WORK/all.txt" "$WORK/needed.txt"
+fi
+PLATFORMS=()
+for n in 17 24 27 28 31 34; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
+PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
+if [ -s "$WORK/needed.txt" ]; then
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
+        "${PLATFORMS[@]}" -d "$WORK/out" -r "$WORK/needed.txt"
+fi
+# Built from the tracked files only, so no build/ or egg-info is left in the checkout.
+mkdir "$WORK/src"
+git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$WORK/src"
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/out" "$WORK/src"
+if [ -n "$TE" ]; then
+    # The torch extension ships only as source (it must match the node's torch); pip cannot download
+    # an sdist without building its metadata, so it is fetched by name from the index.
+    "$PY" - "$WORK/out" "$TE_VERSION" <<'EOF'
+import json, os, sys, urllib.request
+index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+req = urllib.request.Request(f"{index}/transformer-engine-torch/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req))["files"]
+sdist = next(f for f in files if f["filename"] == f"transformer_engine_torch-{sys.argv[2]}.tar.gz")
+urllib.request.urlretrieve(sdist["url"], os.path.join(sys.argv[1], sdist["filename"]))
+EOF
+    # Its build needs these on the node (NGC images have them): setuptools, wheel, pybind11, ninja.
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
+        "${PLATFORMS[@]}" -d "$WORK/out" "transformer-engine==$TE_VERSION" pybind11 ninja
+fi
+cp "$WORK/needed.txt" "$WORK/out/requirements.txt"
+cat >"$WORK/out/install.sh" <<'EOF'
+#!/usr/bin/env bash
+# Offline install into the Python that runs this (the node's, with its torch): bash install.sh
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+PY=${PYTHON:-python3}
+"$PY" -c "import torch" || { echo "install.sh: this Python has no torch; install the node's first" >&2; exit 2; }
+"$PY" -m pip install -q --no-index --find-links "$HERE" "$HERE"/megatron_train-*.whl
+if ls "$HERE"/transformer_engine_torch-*.tar.gz >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --find-links "$HERE" transformer-engine pybind11 ninja \
+        "$HERE"/transformer_engine_cu*.whl
+    # Compiles TE's torch extension against this node's torch (a few minutes): it needs nvcc and
+    # the NCCL and cuDNN headers (from the nvidia-* Python packages or the CUDA toolkit).
+    NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-index \
+        --no-build-isolation --find-links "$HERE" "$HERE"/transformer_engine_torch-*.tar.gz
+fi
+"$PY" -c "import megatron_train, megatron.core; print('megatron-train installed with megatron-core', megatron.core.__version__)"
+EOF
+chmod +x "$WORK/out/install.sh"
+mv "$WORK/out" "$OUT"
+echo "wheelhouse: $OUT ($(ls "$OUT" | wc -l) files, $(du -sh "$OUT" | cut -f1)); on the node: bash $OUT/install.sh"
