@@ -54,7 +54,7 @@ def peak_tflops() -> float | None:
     return ours()
 
 
-def _timed(step, steps: int, warmup: int, sync) -> list[float]:
+def _timed(step, steps: int, warmup: int, sync, prof=None) -> list[float]:
     times = []
     for i in range(warmup + steps):
         sync()
@@ -63,6 +63,8 @@ def _timed(step, steps: int, warmup: int, sync) -> list[float]:
         sync()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+        if prof is not None:
+            prof.step()
     return times
 
 
@@ -129,8 +131,8 @@ def run_ours(args, m: dict, te: bool) -> None:
 
     data = [batches()]
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    with _profiler(args, "ours-te" if te else "ours"):
-        times = _timed(lambda: stepper.train_step(data), args.steps, args.warmup, sync)
+    with _profiler(args, "ours-te" if te else "ours") as prof:
+        times = _timed(lambda: stepper.train_step(data), args.steps, args.warmup, sync, prof)
     _report(
         "ours-te" if te else "ours",
         times,
@@ -174,8 +176,8 @@ def run_hf(args, m: dict) -> None:
         optimizer.zero_grad(set_to_none=True)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    with _profiler(args, "hf"):
-        times = _timed(step, args.steps, args.warmup, sync)
+    with _profiler(args, "hf") as prof:
+        times = _timed(step, args.steps, args.warmup, sync, prof)
     _report("hf", times, args.micro_batch * args.grad_accum * m["seq"], m, m["seq"],
             "transformers LlamaForCausalLM (SDPA) + fused AdamW, autocast bf16"
             + (", torch.compile" if args.compile else ""))  # fmt: skip
@@ -286,7 +288,7 @@ def run_titan(args, m: dict) -> None:
     )
     log = proc.stdout + proc.stderr
     if args.log_dir:
-        Path(args.log_dir, "torchtitan.log").write_text(log)
+        Path(args.log_dir, "torchtitan_trainer.log").write_text(log)
     if proc.returncode != 0:
         raise SystemExit("torchtitan failed: " + " | ".join(log.strip().splitlines()[-3:]))
     ansi = re.compile(r"\x1b\[[0-9;]*m")
