@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def relaunch(script: str, nproc: int, worker_args: list[str]) -> int:
     """Run ``script --worker *worker_args`` on ``nproc`` local ranks; returns torchrun's exit code."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            script, "--worker", *worker_args]  # fmt: skip
     return subprocess.call(cmd, cwd=ROOT, env=env)

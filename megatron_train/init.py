@@ -74,10 +74,10 @@ def fill_weights(model_chunks: list[torch.nn.Module], value: GlobalValue) -> Non
 
 def initialize_weights(model_chunks: list[torch.nn.Module], seed: int, std: float, num_layers: int) -> None:
     """Give every parameter its layout-independent random initial value."""
-    device = next(model_chunks[0].parameters()).device
 
     def value(key: str, layer_index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        gen = torch.Generator(device=device)
+        # Drawn on the CPU everywhere, so a GPU run starts from the CPU run's weights.
+        gen = torch.Generator()
         gen.manual_seed(seed ^ zlib.crc32(f"{key}|{layer_index}".encode()))
         return _init_global(key, shape, std, num_layers, gen)
 
