@@ -7,7 +7,7 @@ TORCH_CPU_VERSION := 2.13.0
 # Use the local CPU wheel cache when the machine has one, otherwise PyTorch's CPU index.
 TORCH_CPU_SOURCE := $(if $(wildcard /opt/wheels/torch-$(TORCH_CPU_VERSION)+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test lint format bench wheelhouse clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ format: install
 bench: install
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/overhead.py
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/checkpoint_save.py model.preset=small
+
+# An offline install kit for a GPU node that already has torch (see README).
+PY ?= 3.12
+wheelhouse: install
+	PYTHON=$(BIN)/python bash tools/build_wheelhouse.sh --python $(PY)
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,0 +1,25 @@
+"""The GPU throughput benchmark's CPU dry run: every framework path it can run here, end to end."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--tiny", "--steps", "1",
+         "--warmup", "1", "--frameworks", "ours,hf,torchtitan"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split()[0]: line
+        for line in result.stdout.splitlines()
+        if line.startswith(("ours", "hf", "torch"))
+    }
+    for name in ("ours", "hf"):
+        assert re.match(rf"{name}\s+[\d,]+\s+[\d.]+", rows[name]), result.stdout
+    assert "did not run" in rows["torchtitan"], result.stdout
