@@ -8,7 +8,8 @@ The model is torchtitan's Llama-3 "1B" flavour (16 layers x 2048, GQA 32/8, SwiG
 128256, tied embeddings, RoPE theta 500000), built by each framework in bf16 mixed precision (fp32
 master weights and gradient reduction, bf16 compute) and trained on random tokens with AdamW. Each
 framework runs in its own process so memory peaks do not mix. One table prints tokens/s, TFLOP/s,
-MFU and peak memory; every framework's TFLOP/s uses the same count (:func:`flops_per_token`).
+MFU and peak memory; every framework's TFLOP/s uses the training log's count
+(``megatron_train.metrics.flops_per_token``: causal attention counted half, as Megatron-LM does).
 """
 
 from __future__ import annotations
@@ -35,23 +36,21 @@ FRAMEWORKS = ("ours", "ours-te", "torchtitan", "hf")
 RESULT = "RESULT "
 
 
-def flops_per_token(m: dict, seq: int) -> float:
-    """Training FLOPs per token: 3 x the forward matmuls, causal attention counted half.
+def experiment(m: dict, args, te: bool = False):
+    """The benchmark model and batch as our typed config: ours trains it, every row counts its FLOPs."""
+    from megatron_train.config import build_config
 
-    Forward per layer: 2*h*(q + 2kv) (QKV) + 2*q*h (output) + 6*h*ffn (SwiGLU) + 2*s*q (QK^T and
-    AV over the causal half); plus 2*h*V for the output layer. This is Megatron-LM's convention.
-    """
-    h, ffn, layers, vocab = m["hidden_size"], m["ffn_hidden_size"], m["num_layers"], m["vocab_size"]
-    head = h // m["num_attention_heads"]
-    q, kv = head * m["num_attention_heads"], head * m["num_query_groups"]
-    per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 6 * h * ffn + 2 * seq * q
-    return 3.0 * (layers * per_layer + 2 * h * vocab)
-
-
-def peak_tflops() -> float | None:
-    from megatron_train.metrics import peak_tflops as ours
-
-    return ours()
+    model = {k: v for k, v in m.items() if k != "seq"}
+    raw = {
+        "model": {**model, "max_position_embeddings": m["seq"], "tie_embeddings": True,
+                  "transformer_impl": "transformer_engine" if te else "local"},
+        "data": {"seq_length": m["seq"]},
+        "train": {"micro_batch_size": args.micro_batch, "steps": args.warmup + args.steps,
+                  "global_batch_size": args.micro_batch * args.grad_accum,
+                  "precision": "bf16" if args.device == "cuda" else "fp32"},
+        "optimizer": {"lr": 1e-4, "warmup_steps": 0},
+    }  # fmt: skip
+    return build_config(raw, args.set)
 
 
 def _timed(step, steps: int, warmup: int, sync, prof=None) -> list[float]:
@@ -68,15 +67,20 @@ def _timed(step, steps: int, warmup: int, sync, prof=None) -> list[float]:
     return times
 
 
-def _report(name: str, times: list[float], tokens_per_step: int, m: dict, seq: int, note: str) -> None:
-    import torch
+def _report(name: str, times: list[float], args, m: dict, peak_gib: float, note: str) -> None:
+    from megatron_train.metrics import flops_per_token
 
     step = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
-    record = dict(framework=name, step_s=step, tokens_per_s=tokens_per_step / step,
-                  tflops=flops_per_token(m, seq) * tokens_per_step / step / 1e12, peak_mem_gib=peak,
-                  note=note)  # fmt: skip
+    tokens = args.micro_batch * args.grad_accum * m["seq"]
+    record = dict(framework=name, step_s=step, tokens_per_s=tokens / step, peak_mem_gib=peak_gib, note=note,
+                  tflops=flops_per_token(experiment(m, args)) * tokens / step / 1e12)  # fmt: skip
     print(RESULT + json.dumps(record), flush=True)
+
+
+def _peak_allocated_gib() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
 def _random_batches(m: dict, seq: int, micro_batch: int, count: int = 4):
@@ -90,29 +94,13 @@ def run_ours(args, m: dict, te: bool) -> None:
     import torch
 
     from megatron_train import runtime
-    from megatron_train.config import ExperimentConfig, from_dict, parse_override, validate_options
+    from megatron_train.config import validate_options
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
 
     on_gpu = torch.cuda.is_available()
-    model = {k: v for k, v in m.items() if k != "seq"}
-    raw = {
-        "model": {**model, "max_position_embeddings": m["seq"], "tie_embeddings": True,
-                  "transformer_impl": "transformer_engine" if te else "local"},
-        "data": {"seq_length": m["seq"], "blend": ["unused"], "tokenizer": {"path": "unused"}},
-        "train": {"micro_batch_size": args.micro_batch, "steps": args.warmup + args.steps,
-                  "global_batch_size": args.micro_batch * args.grad_accum,
-                  "precision": "bf16" if on_gpu else "fp32"},
-        "optimizer": {"lr": 1e-4, "warmup_steps": 0},
-    }  # fmt: skip
-    for text in args.set:
-        *path, name = parse_override(text)[0]
-        node = raw
-        for key in path:
-            node = node.setdefault(key, {})
-        node[name] = parse_override(text)[1]
-    cfg = from_dict(ExperimentConfig, raw)
+    cfg = experiment(m, args, te)
     validate_options(cfg, 1)
     rt = runtime.initialize(cfg, runtime.launch_env())
     chunks = build_model(cfg, rt)
@@ -136,9 +124,9 @@ def run_ours(args, m: dict, te: bool) -> None:
     _report(
         "ours-te" if te else "ours",
         times,
-        args.micro_batch * args.grad_accum * m["seq"],
+        args,
         m,
-        m["seq"],
+        _peak_allocated_gib(),
         "megatron-core GPTModel, "
         + ("Transformer Engine spec" if te else "local spec (SDPA)")
         + "".join(f", {x}" for x in args.set),
@@ -178,7 +166,7 @@ def run_hf(args, m: dict) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with _profiler(args, "hf") as prof:
         times = _timed(step, args.steps, args.warmup, sync, prof)
-    _report("hf", times, args.micro_batch * args.grad_accum * m["seq"], m, m["seq"],
+    _report("hf", times, args, m, _peak_allocated_gib(),
             "transformers LlamaForCausalLM (SDPA) + fused AdamW, autocast bf16"
             + (", torch.compile" if args.compile else ""))  # fmt: skip
 
@@ -302,18 +290,9 @@ def run_titan(args, m: dict) -> None:
     if not tps:
         raise SystemExit("torchtitan printed no step lines after the warm-up")
     tokens = args.micro_batch * args.grad_accum * m["seq"]
-    step = statistics.median(tokens / t for t in tps)
     note = f"torchtitan Trainer (FSDP2, bf16 compute, fp32 master), {args.titan_attention} attention"
     note += (", torch.compile" if args.compile else "") + "; memory is its max reserved"
-    record = dict(
-        framework="torchtitan",
-        step_s=step,
-        tokens_per_s=tokens / step,
-        tflops=flops_per_token(m, m["seq"]) * tokens / step / 1e12,
-        peak_mem_gib=mem,
-        note=note,
-    )
-    print(RESULT + json.dumps(record), flush=True)
+    _report("torchtitan", [tokens / t for t in tps], args, m, mem, note)
 
 
 def worker(args) -> None:
@@ -333,13 +312,15 @@ def worker(args) -> None:
 
 
 def _table(results: dict[str, dict | str], peak: float | None, m: dict, args) -> str:
+    from megatron_train.metrics import flops_per_token
+
     lines = [
         f"model: Llama-3 {'tiny' if args.tiny else '1B'} ({m['num_layers']}x{m['hidden_size']}, GQA "
         f"{m['num_attention_heads']}/{m['num_query_groups']}, SwiGLU {m['ffn_hidden_size']}, vocab "
         f"{m['vocab_size']}), seq {m['seq']}, micro-batch {args.micro_batch} x {args.grad_accum} "
         f"accumulation, median of {args.steps} steps after {args.warmup}",
         "FLOPs/token = 3 x forward matmuls, causal attention counted half (Megatron-LM): "
-        f"{flops_per_token(m, m['seq']) / 1e9:.2f} GFLOP; MFU against "
+        f"{flops_per_token(experiment(m, args)) / 1e9:.2f} GFLOP; MFU against "
         + (f"{peak:.0f} TFLOP/s dense bf16" if peak else "no known peak"),
         f"{'framework':<12} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}  notes",
     ]
@@ -406,7 +387,9 @@ def main() -> int:
     if args.device == "cuda":
         import torch
 
-        peak = peak_tflops() if torch.cuda.is_available() else None
+        from megatron_train.metrics import peak_tflops
+
+        peak = peak_tflops()
         if torch.cuda.is_available():
             print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(_table(results, peak, m, args))

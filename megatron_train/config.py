@@ -395,6 +395,11 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError("--config", f"{path} is not valid YAML ({err})", "fix the YAML syntax") from err
+    return build_config(raw, overrides)
+
+
+def build_config(raw: dict, overrides: list[str] = ()) -> ExperimentConfig:
+    """The typed config from plain data (a parsed YAML file) and ``key.sub=value`` overrides."""
     for text in overrides:
         keys, value = parse_override(text)
         node = raw

@@ -12,12 +12,19 @@ import torch
 
 from megatron_train.config import ExperimentConfig, padded_vocab_size, to_dict
 
-# Dense bf16 peak per GPU (TFLOP/s), for MFU; matched against torch.cuda.get_device_name().
-_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+# Dense bf16 peak per GPU (TFLOP/s), for MFU; the first key found in torch.cuda.get_device_name()
+# wins, so the PCIe and NVL H100s come before the SXM one ("NVIDIA H100 80GB HBM3").
+_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
+                "L40S": 362.0}  # fmt: skip
 
 
 def flops_per_token(cfg: ExperimentConfig) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward matmuls, full attention)."""
+    """Training FLOPs per token: 3x the forward matmuls, causal attention counted half.
+
+    Forward per layer: 2h(q + 2kv) for QKV, 2qh for the output projection, 6h*ffn for SwiGLU and
+    2sq for QK^T and AV over the causal half of the scores; plus 2hV for the output layer. Counting
+    only the causal half is Megatron-LM's convention (PaLM's and torchtitan's count it whole).
+    """
     m, s = cfg.model, cfg.data.seq_length
     head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
     q_dim = head_dim * m.num_attention_heads
@@ -26,7 +33,7 @@ def flops_per_token(cfg: ExperimentConfig) -> float:
         2 * m.hidden_size * (q_dim + 2 * kv_dim)  # QKV projection
         + 2 * q_dim * m.hidden_size  # output projection
         + 2 * 3 * m.hidden_size * m.ffn_hidden_size  # SwiGLU: gate, up, down
-        + 2 * 2 * s * q_dim  # scores and weighted values
+        + 2 * s * q_dim  # scores and weighted values, causal half
     )
     logits = 2 * m.hidden_size * padded_vocab_size(m)
     return 3.0 * (m.num_layers * per_layer + logits)

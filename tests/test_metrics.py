@@ -1,0 +1,13 @@
+"""FLOPs and MFU accounting."""
+
+from megatron_train.config import build_config
+from megatron_train.metrics import flops_per_token
+
+
+def test_flops_per_token_counts_causal_attention_half_for_llama3_8b_at_8k():
+    cfg = build_config({"model": {"preset": "llama3-8b"}, "data": {"seq_length": 8192}})
+    # By hand, per layer: QKV 2*4096*(4096+2*1024) = 50,331,648; output 2*4096*4096 = 33,554,432;
+    # SwiGLU 6*4096*14336 = 352,321,536; attention over the causal half 2*8192*4096 = 67,108,864.
+    # 32 layers plus the output layer 2*4096*128256, times 3 for forward and backward.
+    per_layer = 50_331_648 + 33_554_432 + 352_321_536 + 67_108_864
+    assert flops_per_token(cfg) == 3 * (32 * per_layer + 2 * 4096 * 128256) == 51_470_401_536
