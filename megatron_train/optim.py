@@ -30,8 +30,6 @@ def build_optimizer(
         ),
         model_chunks,
     )
-    if torch.cuda.is_available():
-        _use_fused_torch_adam(optimizer)
     gbs = t.global_batch_size
     wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, t.steps // 10)
     scheduler = OptimizerParamScheduler(
@@ -56,11 +54,17 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-def _use_fused_torch_adam(optimizer: MegatronOptimizer) -> None:
-    """Without TE or apex, megatron-core steps torch's Adam(W) with its multi-tensor (foreach)
-    path; on GPU torch's fused kernel computes the same update in far fewer launches."""
+def select_adam_kernel(optimizer: MegatronOptimizer) -> None:
+    """Run torch's Adam(W), megatron-core's fallback without TE or apex, with its fused kernel on
+    GPU (the whole update in one pass over the tensors, not one pass per arithmetic step) and its
+    default path on CPU.
+
+    A checkpoint's param groups carry these flags, so this is called after any load: the device
+    a run trains on picks the kernel, not the one its checkpoint was written on.
+    """
+    on_gpu = torch.cuda.is_available()
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if type(inner) in (torch.optim.AdamW, torch.optim.Adam):
             for group in inner.param_groups:
-                group["foreach"], group["fused"] = False, True
+                group["fused"], group["foreach"] = on_gpu, (False if on_gpu else None)

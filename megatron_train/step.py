@@ -12,6 +12,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_train.config import ExperimentConfig
+from megatron_train.optim import select_adam_kernel
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -93,6 +94,7 @@ class Stepper:
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
         self.device = device
         _wire_schedule_hooks(cfg, model, optimizer)
+        select_adam_kernel(optimizer)
         self._schedule = get_forward_backward_func()
         self._forward_step = partial(forward_step, device)
 
