@@ -114,14 +114,15 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(is_causal=True, scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+        # Heads differ per TP rank, so their dropout masks come from the model-parallel RNG.
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if dropout_p > 0 and not self.config.sequence_parallel
+            else contextlib.nullcontext()
+        )
         kernel = sdpa_kernel(self.backends) if self.backends else contextlib.nullcontext()
-        if dropout_p > 0 and not self.config.sequence_parallel:
-            # Heads differ per TP rank, so their dropout masks come from the model-parallel RNG.
-            with tensor_parallel.get_cuda_rng_tracker().fork(), kernel:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
-        else:
-            with kernel:
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
+        with rng, kernel:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
         seq, batch = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
 
