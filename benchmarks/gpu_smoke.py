@@ -1,15 +1,15 @@
-"""GPU smoke test on one GPU: the demo, a bitwise resume, save cost, HF export, fp32 numerics vs CPU.
+"""GPU smoke test on one GPU: the demo and its HF export, a bitwise resume, save cost, numerics vs CPU.
 
-    python benchmarks/gpu_smoke.py [--out runs/gpu_smoke]
+    python benchmarks/gpu_smoke.py [--out runs/gpu_smoke] [--checks demo,resume,save,numerics]
 
 Every step is the real command line a user runs (torchrun -m megatron_train.train, the conversion
 tool, the checkpoint benchmark); this script only chains them and compares their metrics.jsonl.
-1. the demo config (tiny model, stdlib corpus) on 1 rank in bf16, 200 steps;
-2. bitwise resume: 40 steps uninterrupted against 20 steps + a resumed 20 (and a second
-   uninterrupted run, which shows whether the GPU kernels themselves are deterministic);
-3. async vs synchronous save blocking (benchmarks/checkpoint_save.py, a ~150M-parameter model);
-4. HF export of the demo's checkpoint, loaded and run by transformers on the GPU;
-5. numerics: 20 fp32 steps on the GPU against the same 20 on the CPU (CUDA hidden), and bf16 vs fp32.
+- demo: the demo config (tiny model, stdlib corpus) on 1 rank in bf16, 200 steps, then its
+  checkpoint exported to HF, loaded and run by transformers on the GPU;
+- resume: 40 steps uninterrupted against a resume from that run's step-20 checkpoint (and a second
+  uninterrupted run, which shows whether the GPU kernels themselves are deterministic);
+- save: async vs synchronous save blocking (benchmarks/checkpoint_save.py, ~150M parameters);
+- numerics: 20 fp32 steps on the GPU against the same 20 on the CPU (CUDA hidden), and bf16 vs fp32.
 Prints one summary; exits 1 when a check fails.
 """
 
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_DATA = ROOT / "runs/demo/data"
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -38,19 +37,6 @@ def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
     if code != 0:
         raise SystemExit(f"failed (exit {code}): {' '.join(cmd)}; see {log}")
     return time.perf_counter() - start
-
-
-def prepare_data(log: Path) -> None:
-    if (DEMO_DATA / "stdlib_text_document.idx").exists():
-        return
-    DEMO_DATA.mkdir(parents=True, exist_ok=True)
-    py = sys.executable
-    sh([py, "tools/stdlib_corpus.py", "--output", f"{DEMO_DATA}/stdlib.jsonl"], log)
-    sh([py, "tools/train_tokenizer.py", "--input", f"{DEMO_DATA}/stdlib.jsonl", "--output-prefix",
-        f"{DEMO_DATA}/spm", "--vocab-size", "4096", "--max-sentences", "20000"], log)  # fmt: skip
-    sh([py, "tools/preprocess_data.py", "--input", f"{DEMO_DATA}/stdlib.jsonl", "--output-prefix",
-        f"{DEMO_DATA}/stdlib_text_document", "--tokenizer", f"{DEMO_DATA}/spm.model", "--workers", "8"],
-       log)  # fmt: skip
 
 
 def train(run_dir: Path, log: Path, *overrides: str, env: dict | None = None) -> float:
@@ -69,44 +55,35 @@ def max_rel(a: dict[int, dict], b: dict[int, dict], key: str, steps) -> float:
     return max(abs(a[s][key] - b[s][key]) / abs(b[s][key]) for s in steps)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--out", default="runs/gpu_smoke")
-    args = parser.parse_args()
+def check_demo(out: Path, log: Path) -> list[tuple[bool, str]]:
+    """The demo in bf16 on one GPU, then its checkpoint exported to HF and generated from."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not torch.cuda.is_available():
-        print("gpu_smoke: no CUDA device", file=sys.stderr)
-        return 2
-    out = (ROOT / args.out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    log = out / "smoke.log"
-    summary: list[str] = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
-    failed = []
-
-    def check(ok: bool, text: str) -> None:
-        summary.append(("PASS " if ok else "FAIL ") + text)
-        if not ok:
-            failed.append(text)
-
-    prepare_data(log)
-
-    # 1. The demo in bf16 on one GPU.
     seconds = train(out / "demo", log, "train.precision=bf16")
     demo = [json.loads(x) for x in (out / "demo/metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in demo if "val_loss" in r]
     last = [r for r in demo if "loss" in r][-1]
-    check(val[-1] < val[0], f"demo bf16, 200 steps in {seconds:.0f} s (with startup): val loss "
-          + " -> ".join(f"{v:.2f}" for v in val) + f"; {last['tokens_per_s']:,.0f} tok/s, "
-          f"peak {last['peak_mem_gib']:.2f} GiB")  # fmt: skip
+    results = [(val[-1] < val[0], f"demo bf16, 200 steps in {seconds:.0f} s (with startup): val loss "
+                + " -> ".join(f"{v:.2f}" for v in val) + f"; {last['tokens_per_s']:,.0f} tok/s, "
+                f"peak {last['peak_mem_gib']:.2f} GiB")]  # fmt: skip
+    hf = out / "demo_hf"
+    sh([sys.executable, "tools/convert_checkpoint.py", "export-hf", "--ckpt", str(out / "demo/checkpoints"),
+        "--out", str(hf), "--dtype", "bfloat16"], log)  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).cuda()
+    ids = tok("def parse_args(", return_tensors="pt").input_ids.cuda()
+    text = tok.decode(model.generate(ids, max_new_tokens=24, do_sample=False)[0])
+    results.append((len(text) > len("def parse_args("), f"HF export generates on GPU: {text!r}"))
+    return results
 
-    # 2. Bitwise resume.
+
+def check_resume(out: Path, log: Path) -> list[tuple[bool, str]]:
+    """40 steps straight against a resume from the same run's step-20 checkpoint, as after a crash."""
     common = ["train.precision=bf16", "train.steps=40", "train.eval_interval=0", "logging.log_interval=1",
               "checkpoint.interval=20", "checkpoint.keep_last=5"]  # fmt: skip
     train(out / "full", log, *common)
     train(out / "full2", log, *common)
-    # The resumed run starts from the uninterrupted run's step-20 checkpoint, as after a crash there.
     (out / "resumed/checkpoints").mkdir(parents=True)
     shutil.copytree(out / "full/checkpoints/iter_0000020", out / "resumed/checkpoints/iter_0000020")
     (out / "resumed/checkpoints/latest_checkpointed_iteration.txt").write_text("20\n")
@@ -116,11 +93,13 @@ def main() -> int:
     same = all(full[s]["loss"] == resumed[s]["loss"] and full[s]["grad_norm"] == resumed[s]["grad_norm"]
                for s in after)  # fmt: skip
     deterministic = all(full[s]["loss"] == full2[s]["loss"] for s in range(1, 41))
-    check(same, f"resume at step 20: steps 21-40 losses and grad norms bitwise equal to the uninterrupted "
-          f"run: {same} (max rel diff {max_rel(resumed, full, 'loss', after):.1e}); two uninterrupted "
-          f"runs bitwise equal: {deterministic}")  # fmt: skip
+    return [(same, f"resume at step 20: steps 21-40 losses and grad norms bitwise equal to the "
+             f"uninterrupted run: {same} (max rel diff {max_rel(resumed, full, 'loss', after):.1e}); "
+             f"two uninterrupted runs bitwise equal: {deterministic}")]  # fmt: skip
 
-    # 3. Save blocking, async against sync.
+
+def check_save(out: Path, log: Path) -> list[tuple[bool, str]]:
+    """How long an async save blocks training against a synchronous one (~150M parameters)."""
     bench = subprocess.run(
         [sys.executable, "benchmarks/checkpoint_save.py", "--nproc", "1", "--repeats", "3",
          "train.precision=bf16", "parallel.tensor=1", "parallel.pipeline=1", "model.num_layers=12",
@@ -130,21 +109,11 @@ def main() -> int:
     )  # fmt: skip
     (out / "checkpoint_save.log").write_text(bench.stdout + bench.stderr)
     lines = [x for x in bench.stdout.splitlines() if "save" in x or "layout" in x]
-    check(bench.returncode == 0 and len(lines) >= 3, "checkpoint save: " + " | ".join(lines))
+    return [(bench.returncode == 0 and len(lines) >= 3, "checkpoint save: " + " | ".join(lines))]
 
-    # 4. HF export of the demo, run by transformers on the GPU.
-    hf = out / "demo_hf"
-    sh([sys.executable, "tools/convert_checkpoint.py", "export-hf", "--ckpt", str(out / "demo/checkpoints"),
-        "--out", str(hf), "--dtype", "bfloat16"], log)  # fmt: skip
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16).cuda()
-    ids = tok("def parse_args(", return_tensors="pt").input_ids.cuda()
-    text = tok.decode(model.generate(ids, max_new_tokens=24, do_sample=False)[0])
-    check(len(text) > len("def parse_args("), f"HF export generates on GPU: {text!r}")
-
-    # 5. Numerics: fp32 on GPU against fp32 on CPU (same machine, same data), and bf16 against fp32.
+def check_numerics(out: Path, log: Path) -> list[tuple[bool, str]]:
+    """fp32 on the GPU against fp32 on the CPU (same machine and data), and bf16 against fp32."""
     steps = ["train.steps=20", "train.eval_interval=0", "logging.log_interval=1", "checkpoint.interval=0",
              "checkpoint.save_at_end=false"]  # fmt: skip
     train(out / "fp32_gpu", log, "train.precision=fp32", *steps)
@@ -154,16 +123,51 @@ def main() -> int:
     gpu, cpu, bf16 = metrics(out / "fp32_gpu"), metrics(out / "fp32_cpu"), metrics(out / "bf16_gpu")
     first20 = range(1, 21)
     loss_rel, norm_rel = max_rel(gpu, cpu, "loss", first20), max_rel(gpu, cpu, "grad_norm", first20)
-    check(
-        loss_rel < 1e-4,
-        f"fp32 GPU vs CPU, 20 steps: max rel diff loss {loss_rel:.1e}, grad norm {norm_rel:.1e}",
-    )
     bf_rel = max_rel(bf16, gpu, "loss", first20)
-    check(bf_rel < 2e-2, f"bf16 vs fp32 on GPU, 20 steps: max rel diff loss {bf_rel:.1e} (tolerance 2e-2)")
+    return [
+        (
+            loss_rel < 1e-4,
+            f"fp32 GPU vs CPU, 20 steps: max rel diff loss {loss_rel:.1e}, grad norm {norm_rel:.1e}",
+        ),
+        (bf_rel < 2e-2, f"bf16 vs fp32 on GPU, 20 steps: max rel diff loss {bf_rel:.1e} (tolerance 2e-2)"),
+    ]
 
-    text = "\n".join(summary)
-    (out / "summary.txt").write_text(text + "\n")
-    print(text)
+
+CHECKS = {"demo": check_demo, "resume": check_resume, "save": check_save, "numerics": check_numerics}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--out", default="runs/gpu_smoke", help="a new directory for the runs and logs")
+    parser.add_argument(
+        "--checks", default=",".join(CHECKS), help="comma-separated subset of " + ", ".join(CHECKS)
+    )
+    args = parser.parse_args()
+    import torch
+
+    checks = args.checks.split(",")
+    if unknown := [c for c in checks if c not in CHECKS]:
+        print(f"gpu_smoke: --checks: unknown {unknown}; choose from {', '.join(CHECKS)}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device; run it on a GPU node", file=sys.stderr)
+        return 2
+    out = (ROOT / args.out).resolve()
+    if out.exists() and any(out.iterdir()):
+        print(f"gpu_smoke: {out} is not empty; pass a new --out", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "smoke.log"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    sh(["bash", "launch/demo_data.sh", str(os.cpu_count() or 2)], log, {**os.environ, "PATH": path})
+    summary = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
+    failed = 0
+    for name in checks:
+        for ok, text in CHECKS[name](out, log):
+            summary.append(("PASS " if ok else "FAIL ") + text)
+            failed += not ok
+            print(summary[-1], flush=True)
+    (out / "summary.txt").write_text("\n".join(summary) + "\n")
     return 1 if failed else 0
 
 
