@@ -5,7 +5,7 @@
 #   tools/build_wheelhouse.sh [--python 3.12] [--out wheelhouse] [--node-freeze FILE] [--with-te cu13|cu12]
 #
 # Run it where PyPI is reachable. --node-freeze takes the node's `python -m pip list --format=freeze`:
-# versions the node already has are then kept, and their wheels left out (a much smaller copy).
+# versions the node already has are kept where the requirements allow, and their wheels left out.
 # --with-te adds Transformer Engine 2.11 (the newest inside megatron-core 0.16.1's supported range):
 # its prebuilt core wheel for that CUDA major version, and the source of its torch extension, which
 # the node compiles against its own torch. On the node: `bash wheelhouse/install.sh`.
@@ -36,11 +36,11 @@ mkdir -p "$WORK/out"
 
 # torch is the node's: excluding it (and so everything only torch needs) from the resolution.
 echo "torch; sys_platform == 'never'" >"$WORK/override.txt"
-# The node's freeze constrains the resolution to what it has (local version tags like +cu130 dropped).
-CONSTRAINT=()
+# The node's versions (local tags like +cu130 dropped) seed the output file, which uv treats as
+# preferences: it keeps them unless a requirement rules one out.
 if [ -n "$FREEZE" ]; then
     grep -E '^[A-Za-z0-9_.-]+==' "$FREEZE" | sed 's/+.*//' >"$WORK/node.txt"
-    CONSTRAINT=(--constraint "$WORK/node.txt")
+    cp "$WORK/node.txt" "$WORK/all.txt"
 fi
 REQS=(pyproject.toml)
 if [ -n "$TE" ]; then
@@ -49,7 +49,7 @@ if [ -n "$TE" ]; then
     REQS+=("$WORK/te.in")
 fi
 "$PY" -m uv pip compile -q "${REQS[@]}" --python-version "$PYV" --python-platform x86_64-manylinux_2_28 \
-    --override "$WORK/override.txt" "${CONSTRAINT[@]}" --no-header --no-annotate -o "$WORK/all.txt"
+    --override "$WORK/override.txt" --no-header --no-annotate -o "$WORK/all.txt"
 # What the node already has at the resolved version needs no wheel.
 if [ -n "$FREEZE" ]; then
     tr 'A-Z_' 'a-z-' <"$WORK/node.txt" | sort >"$WORK/node_norm.txt"
