@@ -73,7 +73,8 @@ class ModelConfig:
     """Dropout on attention probabilities."""
     cross_entropy_fusion: bool = False
     """Fused cross-entropy on GPU: Transformer Engine's kernel with the TE spec, megatron-core's
-    native fused one otherwise (never materialises the fp32 softmax). The CPU uses the plain one."""
+    native fused one otherwise (5.6% faster on one H100 for a 1B model, 3.9 GiB higher peak: see
+    README). The CPU always uses the plain one."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
