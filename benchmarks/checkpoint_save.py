@@ -32,11 +32,11 @@ def worker(args) -> None:
     from megatron_train.data import batch_iterator, build_datasets
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
+    from megatron_train.resolve import resolve
     from megatron_train.step import Stepper
-    from megatron_train.train import resolve_config
 
     env = runtime.launch_env()
-    cfg = resolve_config(argparse.Namespace(config=args.config, overrides=args.overrides), env.world_size)
+    cfg = resolve(args.config, args.overrides, env.world_size)
     rt = runtime.initialize(cfg, env)
     model = build_model(cfg, rt)
     optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)

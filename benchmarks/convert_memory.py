@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_train.config import ModelConfig  # noqa: E402
-from megatron_train.hf.architecture import model_options  # noqa: E402
+from megatron_train.hf.plan import hf_shapes  # noqa: E402
 from megatron_train.hf.safetensors_io import write_weights  # noqa: E402
-from megatron_train.hf.weights import Dims, hf_shapes  # noqa: E402
+from megatron_train.models.registry import for_hf  # noqa: E402
 
 
 def synthetic_model(out: Path, layers: int, hidden: int, shard_bytes: int) -> int:
@@ -40,7 +40,8 @@ def synthetic_model(out: Path, layers: int, hidden: int, shard_bytes: int) -> in
     }  # fmt: skip
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    shapes = hf_shapes(Dims.from_model(ModelConfig(**model_options(config))))
+    family = for_hf(config)
+    shapes = hf_shapes(family, ModelConfig(**family.hf_model_options(config)))
     gen = torch.Generator().manual_seed(0)
     write_weights(
         out, shapes, torch.bfloat16, lambda n: torch.randn(shapes[n], generator=gen) * 0.02, shard_bytes

@@ -63,10 +63,9 @@ def _bare(cfg, rt, steps: int) -> list[float]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_train.config import padded_vocab_size
     from megatron_train.model import use_transformer_engine
-    from models.llama import transformer_config
-    from models.specs import decoder_block_spec
+    from megatron_train.models.llama.model import transformer_config
+    from megatron_train.models.llama.specs import decoder_block_spec
 
     te = use_transformer_engine(cfg)
     config = transformer_config(cfg, rt.dtype, te)
@@ -75,7 +74,7 @@ def _bare(cfg, rt, steps: int) -> list[float]:
     for i, vp in enumerate(range(vpp) if vpp else [None]):
         gpt = GPTModel(
             config=config, transformer_layer_spec=decoder_block_spec(config, te, vp),
-            vocab_size=padded_vocab_size(cfg.model), max_sequence_length=cfg.model.max_position_embeddings,
+            vocab_size=cfg.model.padded_vocab_size, max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             position_embedding_type="rope", rotary_base=cfg.model.rotary_base, vp_stage=vp,
@@ -127,10 +126,10 @@ def worker(args) -> None:
     import torch
 
     from megatron_train import runtime
-    from megatron_train.train import resolve_config
+    from megatron_train.resolve import resolve
 
     env = runtime.launch_env()
-    cfg = resolve_config(argparse.Namespace(config=args.config, overrides=args.overrides), env.world_size)
+    cfg = resolve(args.config, args.overrides, env.world_size)
     rt = runtime.initialize(cfg, env)
     bare = _bare(cfg, rt, args.steps)
     ours = _ours(cfg, rt, args.steps)

@@ -38,7 +38,7 @@ RESULT = "RESULT "
 
 def experiment(m: dict, args, te: bool = False):
     """The benchmark model and batch as our typed config: ours trains it, every row counts its FLOPs."""
-    from megatron_train.config import build_config
+    from megatron_train.resolve import build_config
 
     model = {k: v for k, v in m.items() if k != "seq"}
     raw = {
@@ -300,7 +300,7 @@ def worker(args) -> None:
     if args.worker == "ours":
         run_ours(args, m, te=False)
     elif args.worker == "ours-te":
-        from models.specs import transformer_engine_available
+        from megatron_train.model import transformer_engine_available
 
         if not transformer_engine_available():
             raise SystemExit("Transformer Engine is not installed (or no GPU)")

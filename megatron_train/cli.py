@@ -6,12 +6,9 @@ import sys
 from collections.abc import Callable
 
 from megatron_train import runtime
-from megatron_train.checkpoint.files import CheckpointError
-from megatron_train.config import ConfigError
-from megatron_train.hf.architecture import ConversionError
+from megatron_train.errors import BAD_INPUT
 
 EXIT_BAD_INPUT = 2
-BAD_INPUT = (ConfigError, CheckpointError, ConversionError)
 
 
 def run(body: Callable[[], None]) -> int:

@@ -2,7 +2,8 @@
 
 Every option is a dataclass field with a docstring below it. Loading rejects unknown keys and
 wrong types, and :func:`validate` rejects impossible layouts, each with a :class:`ConfigError`
-that names the exact key and how to fix it.
+that names the exact key and how to fix it. This module is a leaf: presets, Hugging Face
+architectures and the tokenizer's vocabulary are filled in by ``megatron_train.resolve``.
 """
 
 from __future__ import annotations
@@ -18,22 +19,21 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config value; ``key`` is the dotted path of the offending option."""
-
-    def __init__(self, key: str, problem: str, fix: str) -> None:
-        self.key, self.problem, self.fix = key, problem, fix
-        super().__init__(f"config error at '{key}': {problem}. Fix: {fix}")
+from megatron_train.errors import ConfigError
 
 
 @dataclass
 class ModelConfig:
-    """The network: a Llama-family decoder built from megatron-core's GPTModel."""
+    """The network: a decoder of one model family (a package in ``models/``), built from
+    megatron-core's GPTModel. Sizes derived from these options (head dim, key/value heads, padded
+    vocabulary) are the properties at the end, computed nowhere else."""
 
+    family: str = "llama"
+    """Model family: a package in ``models/`` (``llama`` covers Llama 2/3/3.1, Mistral, Qwen2).
+    A preset or a Hugging Face ``checkpoint.init_from`` sets it."""
     preset: str | None = None
-    """Name of a preset in ``models.llama.PRESETS`` (e.g. ``llama3-8b``, ``tiny``). Its values
-    are the defaults; any other key set here overrides them."""
+    """Name of a family's preset (e.g. ``llama3-8b``, ``tiny``; see ``models/<family>/presets.py``).
+    Its values are the defaults; any other key set here overrides them."""
     num_layers: int = 2
     """Number of transformer layers."""
     hidden_size: int = 128
@@ -80,6 +80,21 @@ class ModelConfig:
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     """Layer implementation: Transformer Engine's fused layers, megatron-core's own layers with
     PyTorch SDPA attention, or ``auto`` (TE when it imports and CUDA is present)."""
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dimension."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (query groups)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The embedding's row count: the vocabulary rounded up to ``vocab_pad_multiple``."""
+        return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
 
 
 @dataclass
@@ -347,48 +362,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def _apply_preset(raw: dict) -> None:
-    model = raw.get("model")
-    if not isinstance(model, dict) or model.get("preset") is None:
-        return
-    from models.llama import PRESETS
-
-    name = model["preset"]
-    if name not in PRESETS:
-        raise ConfigError("model.preset", f"unknown preset {name!r}", f"use one of {sorted(PRESETS)}")
-    raw["model"] = {**PRESETS[name], **model}
-
-
-def _apply_hf_architecture(raw: dict) -> None:
-    """A Hugging Face model in ``checkpoint.init_from`` fixes the architecture (its config.json)."""
-    init_from = (raw.get("checkpoint") or {}).get("init_from")
-    from megatron_train.hf import architecture
-
-    if not init_from or not architecture.is_hf_model_dir(Path(init_from)):
-        return
-    try:
-        options = architecture.model_options(architecture.read_hf_config(Path(init_from)))
-    except architecture.ConversionError as err:
-        raise ConfigError(
-            "checkpoint.init_from", str(err), "start from a Llama, Mistral or Qwen2 model"
-        ) from err
-    model = raw.setdefault("model", {})
-    if model.get("preset") is not None:
-        raise ConfigError(
-            "model.preset", "conflicts with the Hugging Face model in checkpoint.init_from", "remove it"
-        )
-    for key, value in options.items():
-        if key in model and model[key] != value:
-            raise ConfigError(
-                f"model.{key}",
-                f"is {model[key]!r} but {init_from}/config.json has {value!r}",
-                f"remove model.{key}: the Hugging Face model sets it",
-            )
-    model.update(options)
-
-
-def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig:
-    """Read a YAML config, apply ``key.sub=value`` overrides and build the typed config."""
+def read_yaml(path: str | Path) -> dict:
+    """A YAML config file as plain data."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
@@ -396,11 +371,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> ExperimentConfig
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError("--config", f"{path} is not valid YAML ({err})", "fix the YAML syntax") from err
-    return build_config(raw, overrides)
+    if not isinstance(raw, dict):
+        raise ConfigError("--config", f"{path} is not a mapping of sections", "write section: {key: value}")
+    return raw
 
 
-def build_config(raw: dict, overrides: list[str] = ()) -> ExperimentConfig:
-    """The typed config from plain data (a parsed YAML file) and ``key.sub=value`` overrides."""
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``raw`` with ``key.sub=value`` overrides applied in order (changed in place)."""
     for text in overrides:
         keys, value = parse_override(text)
         node = raw
@@ -411,9 +388,7 @@ def build_config(raw: dict, overrides: list[str] = ()) -> ExperimentConfig:
                 raise ConfigError(dotted, "is not a section", f"override a key inside {dotted}")
             node = child
         node[keys[-1]] = value
-    _apply_preset(raw)
-    _apply_hf_architecture(raw)
-    return from_dict(ExperimentConfig, raw)
+    return raw
 
 
 def to_dict(cfg: ExperimentConfig) -> dict:
@@ -429,11 +404,6 @@ def checkpoint_dir(cfg: ExperimentConfig) -> Path:
 def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:
     """Ranks left for data parallelism once TP, PP and CP are placed."""
     return world_size // (cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context)
-
-
-def padded_vocab_size(m: ModelConfig) -> int:
-    """The embedding's row count: the vocabulary rounded up to ``model.vocab_pad_multiple``."""
-    return math.ceil(m.vocab_size / m.vocab_pad_multiple) * m.vocab_pad_multiple
 
 
 def _require_at_least(minimum: float, key: str, value: float, allowed: str) -> None:
@@ -475,7 +445,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
         )
     if p.expert != 1:
         raise ConfigError("parallel.expert", "expert parallelism needs an MoE model", "set it to 1")
-    groups = m.num_query_groups or m.num_attention_heads
+    groups = m.query_groups
     if m.num_attention_heads % p.tensor:
         raise ConfigError(
             "model.num_attention_heads",

@@ -145,12 +145,11 @@ def enable() -> None:
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     # torch.manual_seed calls this after seeding the CPU generator; there is nothing more to seed.
     torch.cuda.manual_seed_all = lambda seed: None
-    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron_train import megatron_compat
 
-    mcore_random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
-        torch.get_rng_state()
+    megatron_compat.redirect_cuda_rng_state(
+        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(), _set_cpu_rng_state
     )
-    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
 
     torch.Tensor.cuda = _tensor_cuda
     torch.Tensor.type = _tensor_type

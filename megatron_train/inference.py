@@ -7,7 +7,6 @@ included.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 from pathlib import Path
 
@@ -16,11 +15,10 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_train.checkpoint import files
-from megatron_train.checkpoint.state import (
-    load_weights,
-    read_common,
-)
-from megatron_train.config import ExperimentConfig, from_dict, validate_options
+from megatron_train.checkpoint.state import load_weights, read_common
+from megatron_train.config import ExperimentConfig
+from megatron_train.model import build_chunks
+from megatron_train.resolve import at_layout
 from megatron_train.runtime import Runtime
 
 
@@ -28,25 +26,13 @@ def checkpoint_config(path: Path, tensor: int, pipeline: int) -> tuple[Path, Exp
     """The complete checkpoint ``path`` names (a save dir's newest), and the config it was written
     with moved to a TP x PP layout (no VPP / SP)."""
     path = files.resolve_explicit(Path(path))
-    cfg = from_dict(ExperimentConfig, read_common(path)["config"])
-    parallel = dataclasses.replace(
-        cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None, sequence_parallel=False
-    )
-    cfg = dataclasses.replace(cfg, parallel=parallel)
-    validate_options(cfg, tensor * pipeline)
-    return path, cfg
+    return path, at_layout(read_common(path)["config"], tensor, pipeline)
 
 
 def load_for_inference(path: Path, cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     """This rank's model chunk with the weights of checkpoint ``path`` (from
     :func:`checkpoint_config`), in eval mode."""
-    from megatron_train.model import use_transformer_engine
-    from models.llama import build_model_chunks, transformer_config
-
-    te = use_transformer_engine(cfg)
-    chunks = build_model_chunks(cfg, transformer_config(cfg, rt.dtype, te), te)
-    for chunk in chunks:
-        chunk.to(rt.device)
+    chunks = build_chunks(cfg, rt)
     load_weights(path, chunks)
     for chunk in chunks:
         chunk.eval()

@@ -8,7 +8,6 @@ layouts and lets a job change layout without changing its initial point.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Callable
 
@@ -16,25 +15,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    set_tensor_model_parallel_attributes,
-)
 
-_SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
-
-
-def _init_global(key: str, shape: tuple[int, ...], std: float, num_layers: int, gen) -> torch.Tensor:
-    name = key.rsplit(".", 1)[-1]
-    if "norm" in key and name.endswith("weight"):
-        return torch.ones(shape)
-    if name.endswith("bias"):
-        return torch.zeros(shape)
-    if key.endswith(_SCALED_OUTPUTS):
-        std = std / math.sqrt(2.0 * num_layers)
-    return torch.empty(shape, device=gen.device).normal_(0.0, std, generator=gen)
+from megatron_train.config import ModelConfig
+from megatron_train.models.family import Family
 
 
 def _shards(sharded_state_dict: dict) -> list[ShardedTensor]:
@@ -72,32 +55,15 @@ def fill_weights(model_chunks: list[torch.nn.Module], value: GlobalValue) -> Non
             shard.data.copy_(full[index].to(device=shard.data.device, dtype=shard.data.dtype))
 
 
-def initialize_weights(model_chunks: list[torch.nn.Module], seed: int, std: float, num_layers: int) -> None:
-    """Give every parameter its layout-independent random initial value."""
+def initialize_weights(
+    model_chunks: list[torch.nn.Module], family: Family, m: ModelConfig, seed: int
+) -> None:
+    """Give every parameter its layout-independent random initial value (the family's init rule)."""
 
     def value(key: str, layer_index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         # Drawn on the CPU everywhere, so a GPU run starts from the CPU run's weights.
         gen = torch.Generator()
         gen.manual_seed(seed ^ zlib.crc32(f"{key}|{layer_index}".encode()))
-        return _init_global(key, shape, std, num_layers, gen)
+        return family.initial_value(m, key, shape, gen)
 
     fill_weights(model_chunks, value)
-
-
-def mark_tensor_parallel_weights(model_chunks: list[torch.nn.Module]) -> None:
-    """Tag the weights megatron's parallel layers split over TP ranks.
-
-    megatron-core sets ``tensor_model_parallel`` on these weights only inside its own weight
-    init, which we turn off; untagged, the gradient norm (and so clipping) counts every split
-    weight on TP rank 0 alone and comes out too small at TP > 1.
-    """
-    split_dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            weight = getattr(module, "weight", None)
-            if weight is None or getattr(weight, "tensor_model_parallel", False):
-                continue
-            for layer_type, dim in split_dims:
-                if isinstance(module, layer_type):
-                    set_tensor_model_parallel_attributes(weight, True, dim, 1)
-                    break

@@ -6,11 +6,13 @@ import json
 import math
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from megatron_train.config import ExperimentConfig, padded_vocab_size, to_dict
+from megatron_train.config import ExperimentConfig, to_dict
+from megatron_train.models.registry import family_of
 
 # Dense bf16 peak per GPU (TFLOP/s), for MFU; the first key found in torch.cuda.get_device_name()
 # wins, so the PCIe and NVL H100s come before the SXM one ("NVIDIA H100 80GB HBM3").
@@ -19,24 +21,8 @@ _PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 98
 
 
 def flops_per_token(cfg: ExperimentConfig) -> float:
-    """Training FLOPs per token: 3x the forward matmuls, causal attention counted half.
-
-    Forward per layer: 2h(q + 2kv) for QKV, 2qh for the output projection, 6h*ffn for SwiGLU and
-    2sq for QK^T and AV over the causal half of the scores; plus 2hV for the output layer. Counting
-    only the causal half is Megatron-LM's convention (PaLM's and torchtitan's count it whole).
-    """
-    m, s = cfg.model, cfg.data.seq_length
-    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-    q_dim = head_dim * m.num_attention_heads
-    kv_dim = head_dim * (m.num_query_groups or m.num_attention_heads)
-    per_layer = (
-        2 * m.hidden_size * (q_dim + 2 * kv_dim)  # QKV projection
-        + 2 * q_dim * m.hidden_size  # output projection
-        + 2 * 3 * m.hidden_size * m.ffn_hidden_size  # SwiGLU: gate, up, down
-        + 2 * s * q_dim  # scores and weighted values, causal half
-    )
-    logits = 2 * m.hidden_size * padded_vocab_size(m)
-    return 3.0 * (m.num_layers * per_layer + logits)
+    """Training FLOPs per token of the configured model at the configured sequence length."""
+    return family_of(cfg.model).flops_per_token(cfg.model, cfg.data.seq_length)
 
 
 def peak_tflops() -> float | None:
@@ -64,6 +50,8 @@ class MetricsLogger:
 
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, enabled: bool, world_size: int) -> None:
         self.enabled, self.world_size, self.total_steps = enabled, world_size, cfg.train.steps
+        self.log_interval = cfg.logging.log_interval
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_length
         self.flops_per_step = flops_per_token(cfg) * self.tokens_per_step
         self.peak = peak_tflops()
@@ -104,6 +92,19 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
+    def start_interval(self) -> None:
+        """Start timing steps (just before the first one)."""
+        self._interval_start, self._interval_steps = time.perf_counter(), 0
+
+    def after_step(self, step: int, loss: float, lr: float, grad_norm: float, skipped: int) -> None:
+        """Count a step; at each ``logging.log_interval`` and the last step, log the interval."""
+        self._interval_steps += 1
+        if step % self.log_interval and step != self.total_steps:
+            return
+        step_time = (time.perf_counter() - self._interval_start) / self._interval_steps
+        self.log_train(step, loss, lr, grad_norm, step_time, skipped)
+        self.start_interval()
+
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
                   skipped: int) -> None:  # fmt: skip
         """One interval's line; ``step_time`` is the mean seconds per step over the interval."""
@@ -137,7 +138,8 @@ class MetricsLogger:
         self._write(record)
 
     def log_validation(self, step: int, val_loss: float) -> None:
-        """A validation result."""
+        """A validation result; the time validation took is left out of the step time."""
+        self._interval_start = time.perf_counter()
         if not self.enabled:
             return
         ppl = math.exp(min(val_loss, 50.0))

@@ -1,14 +1,27 @@
-"""The model as the train loop sees it: megatron-core DDP-wrapped chunks, initialised."""
+"""The model as the train loop sees it: the family's megatron-core model chunks, initialised and
+DDP-wrapped, with Transformer Engine layers where the machine has them."""
 
 from __future__ import annotations
 
+import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from megatron_train.config import ExperimentConfig
-from megatron_train.init import initialize_weights, mark_tensor_parallel_weights
+from megatron_train.init import initialize_weights
+from megatron_train.megatron_compat import mark_tensor_parallel_weights
+from megatron_train.models.registry import family_of
 from megatron_train.runtime import Runtime
-from models.llama import build_model_chunks, transformer_config
-from models.specs import transformer_engine_available
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports and a GPU is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def use_transformer_engine(cfg: ExperimentConfig) -> bool:
@@ -24,14 +37,19 @@ def use_transformer_engine(cfg: ExperimentConfig) -> bool:
     return impl == "transformer_engine"
 
 
-def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParallel]:
-    """Build, initialise and DDP-wrap this rank's model chunks."""
-    te = use_transformer_engine(cfg)
-    config = transformer_config(cfg, rt.dtype, te)
-    chunks = build_model_chunks(cfg, config, te)
+def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
+    """This rank's model chunks on its device, not initialised and not wrapped."""
+    family, te = family_of(cfg.model), use_transformer_engine(cfg)
+    chunks = family.build_model_chunks(cfg, family.transformer_config(cfg, rt.dtype, te), te)
     for chunk in chunks:
         chunk.to(rt.device)
-    initialize_weights(chunks, cfg.train.seed, cfg.model.init_method_std, cfg.model.num_layers)
+    return chunks
+
+
+def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParallel]:
+    """Build, initialise and DDP-wrap this rank's model chunks."""
+    chunks = build_chunks(cfg, rt)
+    initialize_weights(chunks, family_of(cfg.model), cfg.model, cfg.train.seed)
     mark_tensor_parallel_weights(chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
@@ -40,9 +58,9 @@ def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParal
         use_distributed_optimizer=cfg.optimizer.distributed,
         bucket_size=cfg.ddp.bucket_size,
     )
-    wrapped = [
+    return [
         DistributedDataParallel(
-            config=config,
+            config=chunk.config,
             ddp_config=ddp_config,
             module=chunk,
             # Only the first chunk buckets, as in Megatron-LM: later chunks' grads are ready late.
@@ -50,4 +68,3 @@ def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParal
         )
         for index, chunk in enumerate(chunks)
     ]
-    return wrapped

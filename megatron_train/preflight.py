@@ -13,13 +13,10 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-from megatron_train.config import (
-    ConfigError,
-    ExperimentConfig,
-    checkpoint_dir,
-    data_parallel_size,
-    padded_vocab_size,
-)
+from megatron_train.config import ExperimentConfig, checkpoint_dir, data_parallel_size
+from megatron_train.errors import BAD_INPUT, ConfigError
+from megatron_train.models.registry import family_of
+from megatron_train.resolve import resolve
 
 
 @dataclass(frozen=True)
@@ -38,15 +35,12 @@ class MemoryEstimate:
 
 
 def stage_parameters(cfg: ExperimentConfig) -> float:
-    """Parameters held by one GPU of the first pipeline stage (layers plus the embedding)."""
+    """Parameters held by one GPU of the first pipeline stage (its layers plus the embedding, and
+    the output end too without pipelining)."""
     m, p = cfg.model, cfg.parallel
-    head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-    q, kv = head_dim * m.num_attention_heads, head_dim * (m.num_query_groups or m.num_attention_heads)
-    per_layer = m.hidden_size * (q + 2 * kv) + q * m.hidden_size + 3 * m.hidden_size * m.ffn_hidden_size
-    embedding = padded_vocab_size(m) * m.hidden_size
-    layers = m.num_layers / p.pipeline * per_layer
-    head = embedding if (p.pipeline == 1 and not m.tie_embeddings) else 0
-    return (layers + embedding + head) / p.tensor
+    count = family_of(m).parameters(m)
+    last = count.last if p.pipeline == 1 else 0
+    return (count.first + m.num_layers / p.pipeline * count.per_layer + last) / p.tensor
 
 
 def estimate_memory(cfg: ExperimentConfig, world_size: int) -> MemoryEstimate:
@@ -110,9 +104,7 @@ def check_resume(cfg: ExperimentConfig) -> str:
 
 def run(config: str, overrides: list[str], world_size: int) -> tuple[list[str], MemoryEstimate]:
     """All checks; returns the report lines and the memory estimate, or raises ConfigError."""
-    from megatron_train.train import resolve_config
-
-    cfg = resolve_config(argparse.Namespace(config=config, overrides=overrides), world_size)
+    cfg = resolve(config, overrides, world_size)
     check_save_dir(cfg)
     resume = check_resume(cfg)
     mem = estimate_memory(cfg, world_size)
@@ -142,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         lines, mem = run(args.config, args.overrides, args.nodes * args.gpus_per_node)
-    except ConfigError as err:
+    except BAD_INPUT as err:
         print(f"preflight error: {err}", file=sys.stderr)
         return 2
     for line in lines:

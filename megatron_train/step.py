@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -56,6 +57,10 @@ def _global_mean_loss(losses_reduced: list[dict], device: torch.device) -> float
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm stopped being finite."""
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step reports."""
@@ -64,6 +69,15 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool
+
+    def check_finite(self, step: int) -> None:
+        """Raise :class:`TrainingDiverged` unless loss and gradient norm are finite (the same on
+        every rank, so all ranks raise together)."""
+        if not (math.isfinite(self.loss) and math.isfinite(self.grad_norm)):
+            raise TrainingDiverged(
+                f"step {step}: loss {self.loss} / grad norm {self.grad_norm} is not finite. "
+                "Lower optimizer.lr, raise optimizer.warmup_steps or check the data."
+            )
 
 
 def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, optimizer) -> None:

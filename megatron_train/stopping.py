@@ -1,9 +1,10 @@
-"""When to checkpoint and stop early: signals, a wall-clock budget, a save interval in minutes.
+"""When to stop early: signals and a wall-clock budget, agreed by all ranks once a step.
 
 Every rank catches SIGTERM, SIGUSR1 and SIGINT (Slurm's pre-timeout signal, schedulers'
 preemption, Ctrl-C) and only sets a flag; the train loop finishes its step, then all ranks
-agree through one small all-reduce, so they save the same step and stop together. A second
-SIGINT falls back to Python's default and interrupts at once.
+agree through one small all-reduce, so they save the same step and stop together. The same
+all-reduce agrees on the elapsed time, which the checkpoint policy's minute interval reads. A
+second SIGINT falls back to Python's default and interrupts at once.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ class Decision:
     """The signal that asks us to stop (the largest number any rank received), or None."""
     out_of_time: bool
     """train.exit_after_minutes has passed."""
-    save_by_time: bool
-    """checkpoint.interval_minutes has passed since the last save."""
+    elapsed_s: float
+    """Seconds since the start (the longest any rank measured)."""
 
     @property
     def stop(self) -> bool:
@@ -35,12 +36,12 @@ class Decision:
 
 
 class StopWatch:
-    """Signal flags and clocks, turned into one agreed :class:`Decision` per step."""
+    """Signal flags and a clock, turned into one agreed :class:`Decision` per step."""
 
-    def __init__(self, exit_after_minutes: float, save_interval_minutes: float, device: torch.device) -> None:
-        self.exit_after_s, self.save_interval_s = exit_after_minutes * 60, save_interval_minutes * 60
+    def __init__(self, exit_after_minutes: float, device: torch.device) -> None:
+        self.exit_after_minutes = exit_after_minutes
         self.device = device
-        self.started = self.last_save = time.monotonic()
+        self.started = time.monotonic()
         self.received: int | None = None
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
 
@@ -50,25 +51,26 @@ class StopWatch:
             raise KeyboardInterrupt
         self.received = signum
 
-    def saved(self) -> None:
-        """Restart the save-interval clock."""
-        self.last_save = time.monotonic()
-
     def decide(self) -> Decision:
         """Agree across all ranks (one all-reduce of three integers)."""
-        now = time.monotonic()
+        elapsed = time.monotonic() - self.started
+        budget_s = self.exit_after_minutes * 60
         flags = torch.tensor(
-            [
-                self.received or 0,
-                int(self.exit_after_s > 0 and now - self.started >= self.exit_after_s),
-                int(self.save_interval_s > 0 and now - self.last_save >= self.save_interval_s),
-            ],
+            [self.received or 0, int(budget_s > 0 and elapsed >= budget_s), int(elapsed * 1000)],
             dtype=torch.int64,
             device=self.device,
         )
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        signum, out_of_time, by_time = flags.tolist()
-        return Decision(stop_signal=signum or None, out_of_time=bool(out_of_time), save_by_time=bool(by_time))
+        signum, out_of_time, elapsed_ms = flags.tolist()
+        return Decision(
+            stop_signal=signum or None, out_of_time=bool(out_of_time), elapsed_s=elapsed_ms / 1000
+        )
+
+    def why(self, decision: Decision) -> str:
+        """What asked ``decision`` to stop, for the log."""
+        if decision.stop_signal:
+            return f"signal {signal.Signals(decision.stop_signal).name}"
+        return f"train.exit_after_minutes={self.exit_after_minutes}"
 
     def close(self) -> None:
         """Give the signals back to their previous handlers."""

@@ -1,7 +1,7 @@
 """FLOPs and MFU accounting."""
 
-from megatron_train.config import build_config
 from megatron_train.metrics import flops_per_token
+from megatron_train.resolve import build_config
 
 
 def test_flops_per_token_counts_causal_attention_half_for_llama3_8b_at_8k():

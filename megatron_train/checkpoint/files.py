@@ -17,14 +17,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_train.errors import CheckpointError
+
 RECORD = "complete.json"
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _HASH_CHUNK = 16 * 2**20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used, with the reason and what to do."""
 
 
 def iteration_dir(save_dir: Path, iteration: int) -> Path:

@@ -1,4 +1,5 @@
-"""Saving (async, one in flight) and resuming, on top of megatron-core's dist_checkpointing.
+"""Saving (when the policy says, async, one in flight) and resuming, on top of megatron-core's
+dist_checkpointing.
 
 A save runs in three parts: every rank builds its sharded state dict and hands it to
 dist_checkpointing (the only blocking part); a background process per rank writes the files;
@@ -19,12 +20,12 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-from megatron_train import __version__
+from megatron_train import megatron_compat
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
+from megatron_train.checkpoint.policy import SavePolicy
 from megatron_train.checkpoint.state import (
     Layout,
     Progress,
@@ -33,16 +34,16 @@ from megatron_train.checkpoint.state import (
     load_model,
     load_optimizer,
     load_weights,
+    metadata,
     model_state,
     read_common,
     read_sharded,
     read_tensor_metadata,
+    record_fields,
     restore_rng,
 )
-from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
-from megatron_train.hf.architecture import is_hf_model_dir
-from megatron_train.hf.convert import load_hf_weights
-from megatron_train.stopping import STOP_SIGNALS
+from megatron_train.config import ExperimentConfig, checkpoint_dir
+from megatron_train.stopping import STOP_SIGNALS, Decision
 
 
 def _ignore_stop_signals() -> None:
@@ -60,15 +61,17 @@ def _start_results_manager() -> None:
     """
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=_ignore_stop_signals)
-    filesystem_async._results_queue = manager.Queue()
+    megatron_compat.use_async_results_queue(manager.Queue())
 
 
 class Checkpointer:
-    """Saves checkpoints of one run and finds / loads the one to resume from."""
+    """Decides when to save, saves and prunes the checkpoints of one run; finds and loads the one
+    to resume from."""
 
     def __init__(self, cfg: ExperimentConfig, is_main: bool, log: Callable[[str], None]) -> None:
         self.cfg, self.options = cfg, cfg.checkpoint
         self.save_dir = checkpoint_dir(cfg)
+        self.policy = SavePolicy.from_config(cfg)
         self.is_main, self.log = is_main, log
         self._queue = AsyncCallsQueue() if self.options.async_save else None
         self._recorder: threading.Thread | None = None
@@ -79,6 +82,13 @@ class Checkpointer:
             self._warmup.start()
 
     # -- saving ---------------------------------------------------------------------------
+
+    def after_step(self, progress: Progress, decision: Decision, model: list, optimizer, scheduler) -> None:
+        """Once a step on every rank: finish a background save, then save if the policy says so."""
+        self.poll()
+        if self.policy.reason(progress.iteration, decision.elapsed_s, decision.stop):
+            self.save(progress.iteration, model, optimizer, scheduler, progress)
+            self.policy.saved(decision.elapsed_s)
 
     def save(self, iteration: int, model: list, optimizer, scheduler, progress: Progress) -> None:
         """Start saving ``iteration``; returns once the state is handed off (async) or written."""
@@ -94,10 +104,10 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         torch.distributed.barrier()
-        common = {"layout": vars(Layout.current()), "config": to_dict(self.cfg), "version": __version__}
+        common = metadata(self.cfg, Layout.current())
         state = full_state(model, optimizer, scheduler, progress, common, is_loading=False)
         request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
-        request.add_finalize_fn(lambda: self._finalize(iteration, path, start))
+        request.add_finalize_fn(lambda: self._finalize(iteration, path, start, record_fields(common)))
         if self._queue is not None:
             self._queue.schedule_async_request(request)
         else:
@@ -106,18 +116,19 @@ class Checkpointer:
         blocked = time.perf_counter() - start
         self.log(f"checkpoint step {iteration}: {kind} save started, blocked training {blocked:.2f} s")
 
-    def _finalize(self, iteration: int, path: Path, start: float) -> None:
+    def _finalize(self, iteration: int, path: Path, start: float, extra: dict) -> None:
         """Runs on every rank once all ranks' files are written (megatron's finalize hook)."""
         if not self.is_main:
             return
-        self._recorder = threading.Thread(target=self._record, args=(iteration, path, start), daemon=False)
+        self._recorder = threading.Thread(
+            target=self._record, args=(iteration, path, start, extra), daemon=False
+        )
         self._recorder.start()
         if self._queue is None:
             self._join_recorder()
 
-    def _record(self, iteration: int, path: Path, start: float) -> None:
+    def _record(self, iteration: int, path: Path, start: float, extra: dict) -> None:
         try:
-            extra = {"version": __version__, "layout": vars(Layout.current())}
             record = files.write_completion_record(path, iteration, self.options.checksums, extra)
             files.update_tracker(self.save_dir, iteration)
             removed = files.apply_retention(self.save_dir, self.options.keep_last, self.options.keep_every)
@@ -167,14 +178,7 @@ class Checkpointer:
             decision = files.resolve_load(self.options.load, self.save_dir, self.options.verify_checksums)
         except CheckpointError as err:
             return None, [], f"checkpoint.load: {err}. Fix checkpoint.load (or set it to auto / none)"
-        if decision.path is not None or not self.options.init_from:
-            return (str(decision.path) if decision.path else None), decision.notes, None
-        init_from = Path(self.options.init_from)
-        try:
-            path = init_from if is_hf_model_dir(init_from) else files.resolve_explicit(init_from)
-        except CheckpointError as err:
-            return None, [], f"checkpoint.init_from: {err}"
-        return str(path), [*decision.notes, f"starting from checkpoint.init_from={path}"], None
+        return (str(decision.path) if decision.path else None), decision.notes, None
 
     def resolve(self) -> Path | None:
         """The checkpoint to start from (decided on rank 0, agreed by all); None starts fresh."""
@@ -189,13 +193,9 @@ class Checkpointer:
 
     def load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
-        hf_model = is_hf_model_dir(path)
-        common = {} if hf_model else read_common(path)
-        if hf_model or self.options.finetune or common.get("weights_only"):
-            if hf_model:
-                load_hf_weights(model, path, self.cfg.model)
-            else:
-                load_weights(path, model)
+        common = read_common(path)
+        if self.options.finetune or common.get("weights_only"):
+            load_weights(path, model)
             # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
             optimizer.reload_model_params()
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")

@@ -9,9 +9,7 @@ unchanged (otherwise the ranks' streams have no counterpart).
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,10 +18,11 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.safe_load import safe_unpickling
+from megatron_train.config import ExperimentConfig, to_dict
 
 _OPTIMIZER_METADATA = {
     # Canonical per-parameter optimizer state: loadable at any DP / TP / PP.
@@ -65,6 +64,23 @@ class Progress:
     iteration: int
     consumed_samples: int
     skipped_steps: int = 0
+
+    def advanced(self, samples: int, skipped: bool) -> Progress:
+        """Where training stands after one more step of ``samples`` samples."""
+        return Progress(
+            self.iteration + 1, self.consumed_samples + samples, self.skipped_steps + int(skipped)
+        )
+
+
+def metadata(cfg: ExperimentConfig, layout: Layout) -> dict:
+    """What every checkpoint records beside its state, training saves and imports alike: the
+    writer's version, the layout it was written at and the config."""
+    return {"version": __version__, "layout": vars(layout), "config": to_dict(cfg)}
+
+
+def record_fields(meta: dict) -> dict:
+    """The part of :func:`metadata` the completion record repeats (readable without torch)."""
+    return {"version": meta["version"], "layout": meta["layout"]}
 
 
 def capture_rng() -> dict:
@@ -132,64 +148,16 @@ def model_state(model: list) -> dict:
 
 
 def _materialize_optimizer_state(optimizer) -> None:
-    """Give a fresh distributed optimizer its Adam state so a checkpoint can be loaded into it.
-
-    With torch's Adam (no apex / TE), megatron reads the step count from the state, which only
-    exists after a step; megatron's own helper takes a zero-gradient step. The LR is zeroed for
-    it so weight decay leaves the weights alone (they are overwritten by the load anyway).
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer) or opt.optimizer.state:
-            continue
-        lrs = [group["lr"] for group in opt.optimizer.param_groups]
-        for group in opt.optimizer.param_groups:
-            group["lr"] = 0.0
-        opt._init_optimizer_states_with_dummy_values()
-        for group, lr in zip(opt.optimizer.param_groups, lrs):
-            group["lr"] = lr
-
-
-@contextlib.contextmanager
-def _keeping_torch_adam_step(optimizer) -> Iterator[None]:
-    """Work around megatron-core 0.16.1 failing to load a fully reshardable state into torch's Adam.
-
-    Without apex / TE, megatron restores Adam's per-parameter ``step`` from the param groups,
-    then copies every state entry from the loaded tensors, which skip ``step`` (KeyError). The
-    step already in place is handed back as its own source.
-    """
-    patched = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
-        original = opt._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, opt=opt, original=original):
-            group_index, group_order = opt.model_param_group_index_map[model_param]
-            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
-            step = opt.optimizer.state[main_param].get("step")
-            if step is not None and "step" not in tensors:
-                tensors = {**tensors, "step": step}
-            original(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
+    """Give a fresh distributed optimizer its Adam state so a checkpoint can be loaded into it."""
+    for opt in megatron_compat.distributed_optimizers(optimizer):
+        if not opt.optimizer.state:
+            megatron_compat.init_optimizer_state(opt)
 
 
 def load_optimizer(optimizer, loaded: dict) -> None:
     """Put the loaded optimizer state (any layout) into this rank's optimizer."""
-    with _keeping_torch_adam_step(optimizer):
+    with megatron_compat.keeping_torch_adam_step(optimizer):
         optimizer.load_state_dict(loaded)
-    # The same fallback path gives every parameter one shared ``step`` tensor, which torch's Adam
-    # then increments once per parameter; each parameter needs its own.
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for param_state in opt.optimizer.state.values():
-            if torch.is_tensor(param_state.get("step")):
-                param_state["step"] = param_state["step"].clone()
 
 
 def full_state(model: list, optimizer, scheduler, progress: Progress, common: dict, is_loading: bool) -> dict:

@@ -15,14 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from megatron_train.hf.weights import Tensor
+from megatron_train.megatron_compat import write_checkpoint_extras
+from megatron_train.models.family import Tensor
 
 Produce = Callable[[str, int | None], torch.Tensor]
 
@@ -80,5 +79,4 @@ def save_weights(
     )
     writer = dcp.FileSystemWriter(str(ckpt_dir), single_file_per_rank=False, thread_count=1)
     dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
-    TorchCommonSaveStrategy("torch", 1).save_common(common, ckpt_dir)
-    save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(ckpt_dir))
+    write_checkpoint_extras(common, ckpt_dir)

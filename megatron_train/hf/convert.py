@@ -19,23 +19,26 @@ from pathlib import Path
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-from megatron_train import __version__
 from megatron_train.checkpoint import files
-from megatron_train.checkpoint.state import Layout, Progress, read_common, read_sharded, read_tensor_metadata
-from megatron_train.checkpoint.streaming_save import save_weights
-from megatron_train.config import (
-    ExperimentConfig,
-    ModelConfig,
-    ParallelConfig,
-    from_dict,
-    to_dict,
-    validate_options,
+from megatron_train.checkpoint.state import (
+    Layout,
+    Progress,
+    metadata,
+    read_common,
+    read_sharded,
+    read_tensor_metadata,
+    record_fields,
 )
-from megatron_train.hf import architecture
-from megatron_train.hf.architecture import ConversionError
+from megatron_train.checkpoint.streaming_save import save_weights
+from megatron_train.config import ModelConfig, from_dict
+from megatron_train.errors import ConversionError
+from megatron_train.hf.model_dir import hf_dtype, read_hf_config
+from megatron_train.hf.plan import export_plan, hf_shapes
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
-from megatron_train.hf.weights import Dims, export_plan, hf_shapes, megatron_tensors, to_hf, to_megatron
 from megatron_train.init import fill_weights
+from megatron_train.models.family import Family
+from megatron_train.models.registry import family_of
+from megatron_train.resolve import imported_config
 
 SIDE_DIR = "hf"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
@@ -74,7 +77,7 @@ def _check_dtype(hf: dict, weights: HFWeights) -> torch.dtype:
             f"the weights have dtype(s) {sorted(found)}; expected one of {sorted(names)} throughout"
         )
     dtype = names[next(iter(found))]
-    declared = architecture.hf_dtype(hf)
+    declared = hf_dtype(hf)
     if declared is not None and declared != dtype:
         raise ConversionError(
             f"config.json declares dtype {str(declared).removeprefix('torch.')} but the safetensors hold "
@@ -98,28 +101,19 @@ def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
     return True
 
 
-def imported_config(hf: dict, tensor: int, pipeline: int, vocab_pad_multiple: int) -> ExperimentConfig:
-    """Our config for a Hugging Face config.json at a TP / PP layout (ConfigError if impossible)."""
-    model = ModelConfig(**architecture.model_options(hf), vocab_pad_multiple=vocab_pad_multiple)
-    cfg = ExperimentConfig(model=model, parallel=ParallelConfig(tensor=tensor, pipeline=pipeline))
-    cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
-    validate_options(cfg, tensor * pipeline)
-    return cfg
-
-
 def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab_pad_multiple: int = 128,
               log: Callable[[str], None] = print) -> Path:  # fmt: skip
     """Convert a Hugging Face model directory into a checkpoint under ``out``; returns its path."""
     hf_dir = Path(hf_dir)
-    hf = architecture.read_hf_config(hf_dir)
+    hf = read_hf_config(hf_dir)
     cfg = imported_config(hf, tensor, pipeline, vocab_pad_multiple)
+    m, family = cfg.model, family_of(cfg.model)
     weights = HFWeights(hf_dir)
-    dims = Dims.from_model(cfg.model)
-    weights.check_shapes(hf_shapes(dims))
+    weights.check_shapes(hf_shapes(family, m))
     dtype = _check_dtype(hf, weights)
-    if _check_tokenizer(hf_dir, cfg.model.vocab_size):
+    if _check_tokenizer(hf_dir, m.vocab_size):
         cfg.data.tokenizer.type = "huggingface"
-    for caveat in architecture.caveats(hf):
+    for caveat in family.hf_caveats(hf):
         log(f"note: {caveat}")
     with _staging(out) as tmp:
         ckpt = files.iteration_dir(tmp, 0)
@@ -128,25 +122,22 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
             cfg.data.tokenizer.path = str(final_ckpt / SIDE_DIR)
         layout = Layout(tensor, pipeline, virtual_pipeline=1, data=1, world_size=tensor * pipeline)
         common = {
-            "config": to_dict(cfg),
-            "layout": vars(layout),
+            **metadata(cfg, layout),
             "progress": asdict(Progress(iteration=0, consumed_samples=0)),
-            "version": __version__,
             "weights_only": True,
         }
         save_weights(
-            ckpt, megatron_tensors(dims), dims.num_layers, dtype,
-            lambda key, layer: to_megatron(dims, key, layer, weights.get), common,
+            ckpt, family.tensors(m), m.num_layers, dtype,
+            lambda key, layer: family.to_megatron(m, key, layer, weights.get), common,
         )  # fmt: skip
         (ckpt / SIDE_DIR).mkdir()
         for path in _side_files(hf_dir):
             shutil.copy2(path, ckpt / SIDE_DIR / path.name)
-        record_extra = {"version": __version__, "layout": vars(layout)}
-        files.write_completion_record(ckpt, 0, checksums=True, extra=record_extra)
+        files.write_completion_record(ckpt, 0, checksums=True, extra=record_fields(common))
         files.update_tracker(tmp, 0)
     log(
-        f"imported {architecture.family(hf)} model ({dims.num_layers} layers, hidden {dims.hidden}, "
-        f"vocab {dims.vocab} padded to {dims.padded_vocab}, {str(dtype).removeprefix('torch.')}) "
+        f"imported {hf['architectures'][0]} ({m.num_layers} layers, hidden {m.hidden_size}, "
+        f"vocab {m.vocab_size} padded to {m.padded_vocab_size}, {str(dtype).removeprefix('torch.')}) "
         f"-> {final_ckpt}"
     )
     return final_ckpt
@@ -156,11 +147,11 @@ def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig) -> None:
     """Set the model's weights (any TP / PP, DDP-wrapped) from a Hugging Face directory, reading
     one layer of one tensor at a time; ``m`` must be the architecture of its config.json."""
     weights = HFWeights(Path(hf_dir))
-    dims = Dims.from_model(m)
-    weights.check_shapes(hf_shapes(dims))
+    family = family_of(m)
+    weights.check_shapes(hf_shapes(family, m))
 
     def value(key: str, layer_index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        return to_megatron(dims, key, layer_index[0] if layer_index else None, weights.get)
+        return family.to_megatron(m, key, layer_index[0] if layer_index else None, weights.get)
 
     fill_weights(model, value)
 
@@ -168,10 +159,10 @@ def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig) -> None:
 class _CheckpointTensors:
     """One layer of one tensor at a time from a checkpoint, converted to transformers' tensors."""
 
-    def __init__(self, path: Path, dims: Dims) -> None:
-        self.path, self.dims = path, dims
+    def __init__(self, path: Path, family: Family, m: ModelConfig) -> None:
+        self.path, self.family, self.m = path, family, m
         self.saved = read_tensor_metadata(path)
-        self.names = {name: (key, layer) for key, layer, names in export_plan(dims) for name in names}
+        self.names = {name: (key, layer) for key, layer, names in export_plan(family, m) for name in names}
         self._pending: dict[str, torch.Tensor] = {}
 
     def _read(self, key: str, layer: int | None) -> torch.Tensor:
@@ -188,7 +179,7 @@ class _CheckpointTensors:
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self._pending:
             key, layer = self.names[name]
-            self._pending = to_hf(self.dims, key, layer, self._read(key, layer))
+            self._pending = self.family.to_hf(self.m, key, layer, self._read(key, layer))
         return self._pending.pop(name)
 
 
@@ -201,13 +192,13 @@ def _hf_side(
         for f in sorted(side.iterdir()):
             shutil.copy2(f, out / f.name)
         hf = json.loads((side / "config.json").read_text())
-        return dtype or architecture.hf_dtype(hf) or torch.float32
+        return dtype or hf_dtype(hf) or torch.float32
     model = from_dict(ModelConfig, common["config"]["model"])
     dtype = dtype or torch.bfloat16
     tokenizer = _export_tokenizer(common["config"]["data"]["tokenizer"], tokenizer_path, out)
     # transformers' defaults (bos 1, eos 2) are not our tokenizer's: generation must stop at its eos.
     special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
-    config = architecture.hf_config(model, dtype, special)
+    config = family_of(model).hf_config(model, dtype, special)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dtype
 
@@ -245,9 +236,11 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
     replaces the path a trained run's config names (imported checkpoints carry their own)."""
     path = files.resolve_explicit(Path(ckpt))
     common = read_common(path)
-    dims = Dims.from_model(from_dict(ModelConfig, common["config"]["model"]))
+    m = from_dict(ModelConfig, common["config"]["model"])
+    family = family_of(m)
     with _staging(out) as tmp:
         dtype = _hf_side(path, common, dtype, tokenizer, tmp)
-        shards = write_weights(tmp, hf_shapes(dims), dtype, _CheckpointTensors(path, dims), max_shard_bytes)
+        tensors = _CheckpointTensors(path, family, m)
+        shards = write_weights(tmp, hf_shapes(family, m), dtype, tensors, max_shard_bytes)
     log(f"exported {path} -> {out} ({shards} shard(s), {str(dtype).removeprefix('torch.')})")
     return Path(out)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from megatron_train.hf.architecture import ConversionError
+from megatron_train.errors import ConversionError
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

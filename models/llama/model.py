@@ -2,45 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_train.config import ExperimentConfig, padded_vocab_size
-from models.specs import decoder_block_spec
+from megatron_train.config import ExperimentConfig, ModelConfig
+from megatron_train.models.llama.specs import decoder_block_spec
 
-PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        num_layers=4, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
-        num_query_groups=2, max_position_embeddings=1024,
-    ),
-    "small": dict(
-        num_layers=8, hidden_size=512, ffn_hidden_size=1408, num_attention_heads=8,
-        num_query_groups=4, max_position_embeddings=2048,
-    ),
-    "llama2-7b": dict(
-        num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
-        num_query_groups=32, max_position_embeddings=4096, vocab_size=32000, norm_eps=1e-5,
-        rotary_base=10000,
-    ),
-    "llama3-8b": dict(
-        num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-        num_query_groups=8, max_position_embeddings=8192, vocab_size=128256, norm_eps=1e-5,
-        rotary_base=500000,
-    ),
-    "llama3.1-8b": dict(
-        num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
-        num_query_groups=8, max_position_embeddings=131072, vocab_size=128256, norm_eps=1e-5,
-        rotary_base=500000, rope_scaling=True, rope_scaling_factor=8.0,
-    ),
-    "llama3-70b": dict(
-        num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
-        num_query_groups=8, max_position_embeddings=8192, vocab_size=128256, norm_eps=1e-5,
-        rotary_base=500000,
-    ),
-}  # fmt: skip
+_SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
 
 def transformer_config(
@@ -54,7 +27,7 @@ def transformer_config(
         hidden_size=m.hidden_size,
         ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        num_query_groups=m.query_groups,
         kv_channels=m.kv_channels,
         normalization="RMSNorm",
         layernorm_epsilon=m.norm_eps,
@@ -103,7 +76,7 @@ def build_model_chunks(
             transformer_layer_spec=decoder_block_spec(
                 config, use_transformer_engine, vp_stage, cfg.model.attention_backend
             ),
-            vocab_size=padded_vocab_size(cfg.model),
+            vocab_size=cfg.model.padded_vocab_size,
             max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -116,3 +89,17 @@ def build_model_chunks(
         )
         chunks.append(model)
     return chunks
+
+
+def initial_value(m: ModelConfig, key: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Norms start at one, biases at zero, matrices from N(0, std), the residual branches' output
+    projections with std / sqrt(2 * layers) (GPT-2's and Megatron-LM's scaled init)."""
+    name = key.rsplit(".", 1)[-1]
+    if "norm" in key and name.endswith("weight"):
+        return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    std = m.init_method_std
+    if key.endswith(_SCALED_OUTPUTS):
+        std = std / math.sqrt(2.0 * m.num_layers)
+    return torch.empty(shape, device=gen.device).normal_(0.0, std, generator=gen)

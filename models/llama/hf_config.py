@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` <-> our ``model.*`` options, for the Llama-family decoders.
+"""Hugging Face ``config.json`` <-> our ``model.*`` options for the Llama-family decoders.
 
 Only what megatron-core's GPTModel computes identically is accepted; anything else (another
 activation, biases outside QKV, an unsupported RoPE variant) is refused here with the field that
@@ -7,12 +7,10 @@ differs, instead of producing a model that silently disagrees with transformers.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from megatron_train.config import ModelConfig
+from megatron_train.errors import ConversionError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -24,42 +22,13 @@ _LLAMA3_ROPE_FIXED = {
 }
 
 
-class ConversionError(ValueError):
-    """Input a conversion cannot handle; the message names the problem and the fix."""
+_REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+             "max_position_embeddings", "vocab_size")  # fmt: skip
 
 
-def is_hf_model_dir(path: Path) -> bool:
-    """A directory holding a transformers ``config.json`` and safetensors weights."""
-    path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def read_hf_config(hf_dir: Path) -> dict:
-    """The parsed ``config.json`` of a Hugging Face model directory."""
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{path} does not exist: --hf must be a Hugging Face model directory")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConversionError(f"{path} is not valid JSON ({err})") from err
-
-
-def family(hf: dict) -> str:
-    """``llama``, ``mistral`` or ``qwen2``; ConversionError for anything else."""
-    archs = hf.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ConversionError(
-            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-            f"{', '.join(ARCHITECTURES)}"
-        )
-    return ARCHITECTURES[archs[0]]
-
-
-def hf_dtype(hf: dict) -> torch.dtype | None:
-    """The weights' dtype config.json declares (``dtype`` or the older ``torch_dtype``)."""
-    name = hf.get("dtype") or hf.get("torch_dtype")
-    return getattr(torch, name) if isinstance(name, str) else None
+def _variant(hf: dict) -> str:
+    """``llama``, ``mistral`` or ``qwen2`` (the registry has already checked the architecture)."""
+    return ARCHITECTURES[hf["architectures"][0]]
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:
@@ -77,12 +46,17 @@ def _refuse(field: str, value, why: str) -> None:
 
 def model_options(hf: dict) -> dict:
     """Our ``model.*`` architecture options for a supported config.json."""
-    kind = family(hf)
+    variant = _variant(hf)
+    missing = [key for key in _REQUIRED if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool)]
+    if missing:
+        raise ConversionError(
+            f"config.json lacks integer field(s) {missing}; it is not a complete {variant} config"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         _refuse("hidden_act", hf["hidden_act"], "only SwiGLU (silu) MLPs are supported")
     if hf.get("mlp_bias"):
         _refuse("mlp_bias", True, "MLP biases are not supported")
-    if kind == "llama" and hf.get("attention_bias"):
+    if variant == "llama" and hf.get("attention_bias"):
         _refuse("attention_bias", True, "Llama attention biases include o_proj, which GPTModel lacks")
     theta, scaling = _rope(hf)
     if scaling is not None:
@@ -95,13 +69,14 @@ def model_options(hf: dict) -> dict:
     if float(theta) != int(theta):
         _refuse("rope_theta", theta, "a non-integer RoPE base is not supported")
     heads = hf["num_attention_heads"]
-    return {
+    options = {
+        "family": "llama",
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hf["hidden_size"],
         "ffn_hidden_size": hf["intermediate_size"],
         "num_attention_heads": heads,
         "num_query_groups": hf.get("num_key_value_heads") or heads,
-        "kv_channels": hf.get("head_dim") or hf["hidden_size"] // heads,
+        "kv_channels": hf.get("head_dim"),
         "max_position_embeddings": hf["max_position_embeddings"],
         "vocab_size": hf["vocab_size"],
         "norm_eps": hf.get("rms_norm_eps", 1e-6),
@@ -109,14 +84,17 @@ def model_options(hf: dict) -> dict:
         "rope_scaling": scaling is not None,
         "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qkv_bias": kind == "qwen2",
+        "qkv_bias": variant == "qwen2",
     }
+    # Recorded explicitly (transformers' default is ours), so a saved config never depends on it.
+    options["kv_channels"] = ModelConfig(**options).head_dim
+    return options
 
 
 def caveats(hf: dict) -> list[str]:
     """Differences that only matter past some length (reported, not refused)."""
     window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", family(hf) == "mistral")
+    uses_window = hf.get("use_sliding_window", _variant(hf) == "mistral")
     if window and uses_window:
         return [f"sliding_window={window} is not modelled: outputs match for sequences up to {window} tokens"]
     return []
@@ -133,8 +111,8 @@ def hf_config(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int 
         intermediate_size=m.ffn_hidden_size,
         num_hidden_layers=m.num_layers,
         num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
-        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        num_key_value_heads=m.query_groups,
+        head_dim=m.head_dim,
         max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.norm_eps,
         tie_word_embeddings=m.tie_embeddings,

@@ -1,9 +1,7 @@
-"""Layer specs for Llama-family decoders.
+"""Layers shared by the families' local (non-Transformer Engine) specs.
 
-Two implementations of the same layer, with interchangeable checkpoints:
-Transformer Engine's fused layers (megatron-core's own TE spec) on CUDA, and megatron-core's
-parallel linears with an RMSNorm that supports sequence parallelism and PyTorch's fused
-``scaled_dot_product_attention`` everywhere else.
+An RMSNorm that supports sequence parallelism and core attention through PyTorch's fused
+``scaled_dot_product_attention``, both drop-ins for megatron-core's own modules.
 """
 
 from __future__ import annotations
@@ -14,22 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlock,
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -39,17 +24,6 @@ _SDPA_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "math": SDPBackend.MATH,
 }
-
-
-def transformer_engine_available() -> bool:
-    """Whether Transformer Engine imports and a GPU is present."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -125,56 +99,3 @@ class SDPAttention(MegatronModule):
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kwargs)
         seq, batch = query.size(0), query.size(1)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, self.hidden_size_per_partition)
-
-
-def local_layer_spec(attention_backend: str = "auto") -> ModuleSpec:
-    """A Llama layer from megatron-core parallel linears, RMSNorm and SDPA attention."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=SDPAttention, params={"backend": attention_backend}),
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-            ),
-            mlp_bda=get_bias_dropout_add,
-            # Store norms under TE's fused names so checkpoints move between the two specs.
-            sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-            },
-        ),
-    )
-
-
-def decoder_block_spec(
-    config: TransformerConfig,
-    use_transformer_engine: bool,
-    vp_stage: int | None,
-    attention_backend: str = "auto",
-) -> ModuleSpec:
-    """The decoder block for this pipeline stage (and virtual stage)."""
-    if use_transformer_engine:
-        from megatron.core.extensions.transformer_engine import TENorm
-
-        layer, final_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
-    else:
-        layer, final_norm = local_layer_spec(attention_backend), RMSNorm
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm),
-    )

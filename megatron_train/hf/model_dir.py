@@ -1,0 +1,37 @@
+"""Reading a Hugging Face model directory's ``config.json``, whatever the family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_train.errors import ConversionError
+
+
+def is_hf_model_dir(path: Path) -> bool:
+    """A directory holding a transformers ``config.json`` and safetensors weights."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """The parsed ``config.json`` of a Hugging Face model directory."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{path} does not exist: --hf must be a Hugging Face model directory")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{path} is not valid JSON ({err})") from err
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path} is not a JSON object; it is not a transformers config")
+    return hf
+
+
+def hf_dtype(hf: dict) -> torch.dtype | None:
+    """The weights' dtype config.json declares (``dtype`` or the older ``torch_dtype``)."""
+    name = hf.get("dtype") or hf.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None

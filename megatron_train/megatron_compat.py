@@ -1,0 +1,155 @@
+"""Every megatron-core private name and version-specific behaviour megatron-train relies on.
+
+Written against megatron-core 0.16.1 (pyproject pins ``>=0.16.1,<0.17``). Each entry says what
+it works around; ``tests/test_megatron_compat.py`` fails when an upgrade removes a name used
+here or fixes the behaviour worked around, which is when its entry should change. The CUDA ->
+CPU redirection (``cpu_compat``) reaches megatron's private names only through this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import package_info
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+
+TESTED = ((0, 16, 1), (0, 17, 0))
+"""The megatron-core versions this module was checked against: at least the first, below the second."""
+
+
+def version() -> tuple[int, ...]:
+    """The installed megatron-core version as numbers (pre-release tags dropped)."""
+    return tuple(
+        int("".join(c for c in part if c.isdigit()) or 0) for part in package_info.__version__.split(".")[:3]
+    )
+
+
+def is_tested_version() -> bool:
+    """Whether the installed megatron-core is in :data:`TESTED`."""
+    return TESTED[0] <= version() < TESTED[1]
+
+
+if not is_tested_version():
+    warnings.warn(
+        f"megatron-core {package_info.__version__} is outside the tested range "
+        f"{'.'.join(map(str, TESTED[0]))} <= v < {'.'.join(map(str, TESTED[1]))}; "
+        "megatron_train/megatron_compat.py lists what may break",
+        stacklevel=1,
+    )
+
+
+def distributed_optimizers(optimizer: Any) -> list[DistributedOptimizer]:
+    """The DistributedOptimizers inside megatron's (possibly chained) optimizer."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt for opt in inner if isinstance(opt, DistributedOptimizer)]
+
+
+def use_async_results_queue(queue: Any) -> None:
+    """Make megatron's async checkpoint writer report through ``queue``.
+
+    0.16: ``filesystem_async`` creates its results queue lazily on the first save (a Manager
+    with default signal handling, so the stop signal that asks for a save kills it) and keeps it
+    in the private module global ``_results_queue``.
+    """
+    filesystem_async._results_queue = queue
+
+
+def init_optimizer_state(opt: DistributedOptimizer) -> None:
+    """Give a fresh distributed optimizer its Adam state, so a checkpoint can be loaded into it.
+
+    0.16: with torch's Adam (no apex / TE) megatron reads the step count from the state, which
+    exists only after a step; its private ``_init_optimizer_states_with_dummy_values`` takes a
+    zero-gradient step. The LR is zeroed around it so weight decay leaves the weights alone.
+    """
+    lrs = [group["lr"] for group in opt.optimizer.param_groups]
+    for group in opt.optimizer.param_groups:
+        group["lr"] = 0.0
+    opt._init_optimizer_states_with_dummy_values()
+    for group, lr in zip(opt.optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+@contextlib.contextmanager
+def keeping_torch_adam_step(optimizer: Any) -> Iterator[None]:
+    """Load a ``fully_reshardable`` optimizer state into torch's Adam (no apex / TE).
+
+    0.16: megatron restores Adam's per-parameter ``step`` from the param groups, then its private
+    ``_set_main_param_and_optimizer_states`` copies every state entry from the loaded tensors,
+    which lack ``step`` (KeyError). The step already in place is handed back as its own source.
+    On exit every parameter gets its own ``step`` tensor: the same path leaves one shared tensor,
+    which torch's Adam would then increment once per parameter.
+    """
+    patched = distributed_optimizers(optimizer)
+    for opt in patched:
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+            step = opt.optimizer.state[main_param].get("step")
+            if step is not None and "step" not in tensors:
+                tensors = {**tensors, "step": step}
+            original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for param_state in opt.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
+
+
+def mark_tensor_parallel_weights(model_chunks: list[torch.nn.Module]) -> None:
+    """Tag the weights megatron's parallel layers split over TP ranks.
+
+    0.16: the layers set ``tensor_model_parallel`` on their weights only inside megatron's own
+    weight init, which we turn off (``perform_initialization=False``); untagged, the gradient
+    norm (and so clipping) counts every split weight on TP rank 0 alone and is too small at TP > 1.
+    """
+    split_dims = ((ColumnParallelLinear, 0), (VocabParallelEmbedding, 0), (RowParallelLinear, 1))
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            weight = getattr(module, "weight", None)
+            if weight is None or getattr(weight, "tensor_model_parallel", False):
+                continue
+            for layer_type, dim in split_dims:
+                if isinstance(module, layer_type):
+                    set_tensor_model_parallel_attributes(weight, True, dim, 1)
+                    break
+
+
+def write_checkpoint_extras(common: dict, ckpt_dir: Path) -> None:
+    """Write what megatron's torch_dist format keeps beside the tensor files: ``common.pt`` (the
+    non-tensor state) and ``metadata.json`` (the format). 0.16: their writers live in
+    ``dist_checkpointing.core`` and ``strategies.common``."""
+    TorchCommonSaveStrategy("torch", 1).save_common(common, ckpt_dir)
+    save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(ckpt_dir))
+
+
+def redirect_cuda_rng_state(get: Callable[..., torch.Tensor], set_: Callable[..., None]) -> None:
+    """Make megatron's RNG tracker read and write the generator ``get`` / ``set_`` stand for.
+
+    0.16: the tracker's fork calls the private ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+    of ``tensor_parallel.random`` directly, not ``torch.cuda``'s functions.
+    """
+    mcore_random._get_cuda_rng_state = get
+    mcore_random._set_cuda_rng_state = set_

@@ -1,0 +1,124 @@
+"""Config resolution, in one place: a YAML file and ``key.sub=value`` overrides, the model family's
+preset or a Hugging Face model's architecture, the typed schema, validation and the tokenizer's
+vocabulary. Training, preflight, the tools and the benchmarks all start here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+from megatron_train.config import (
+    ExperimentConfig,
+    ModelConfig,
+    ParallelConfig,
+    apply_overrides,
+    from_dict,
+    read_yaml,
+    validate,
+    validate_options,
+)
+from megatron_train.errors import ConfigError, ConversionError
+from megatron_train.hf.model_dir import is_hf_model_dir, read_hf_config
+from megatron_train.models import registry
+from megatron_train.tokenizer import load_tokenizer
+
+
+def resolve(path: str | Path, overrides: Sequence[str], world_size: int) -> ExperimentConfig:
+    """The complete, validated config a job of ``world_size`` ranks trains with."""
+    cfg = load_config(path, overrides)
+    validate(cfg, world_size)
+    vocab = load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path).vocab_size
+    if cfg.model.vocab_size is None:
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+    if cfg.model.vocab_size < vocab:
+        raise ConfigError(
+            "model.vocab_size",
+            f"{cfg.model.vocab_size} is smaller than the tokenizer's {vocab} tokens",
+            "remove model.vocab_size to take it from the tokenizer",
+        )
+    return cfg
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """A YAML file with overrides, preset and architecture applied (not validated)."""
+    return build_config(read_yaml(path), overrides)
+
+
+def build_config(raw: dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """The typed config from plain data and overrides, preset and architecture applied."""
+    raw = apply_overrides(raw, list(overrides))
+    _apply_preset(raw)
+    _apply_hf_architecture(raw)
+    cfg = from_dict(ExperimentConfig, raw)
+    registry.family_of(cfg.model)
+    return cfg
+
+
+def imported_config(hf: dict, tensor: int, pipeline: int, vocab_pad_multiple: int) -> ExperimentConfig:
+    """Our config for a Hugging Face config.json at a TP / PP layout (ConfigError if impossible)."""
+    options = registry.for_hf(hf).hf_model_options(hf)
+    model = ModelConfig(**options, vocab_pad_multiple=vocab_pad_multiple)
+    cfg = ExperimentConfig(model=model, parallel=ParallelConfig(tensor=tensor, pipeline=pipeline))
+    cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
+    validate_options(cfg, tensor * pipeline)
+    return cfg
+
+
+def at_layout(saved: dict, tensor: int, pipeline: int) -> ExperimentConfig:
+    """A checkpoint's saved config moved to a TP x PP layout (no VPP / SP), for inference."""
+    cfg = from_dict(ExperimentConfig, saved)
+    parallel = dataclasses.replace(
+        cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None, sequence_parallel=False
+    )
+    cfg = dataclasses.replace(cfg, parallel=parallel)
+    validate_options(cfg, tensor * pipeline)
+    return cfg
+
+
+def _apply_preset(raw: dict) -> None:
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("preset") is None:
+        return
+    name = model["preset"]
+    if not isinstance(name, str):
+        raise ConfigError("model.preset", f"expected a preset name, got {name!r}", "write a preset name")
+    family, values = registry.preset(name)
+    if model.get("family", family.name) != family.name:
+        raise ConfigError(
+            "model.family",
+            f"is {model['family']!r} but preset {name!r} belongs to {family.name!r}",
+            "remove model.family or choose a preset of that family",
+        )
+    raw["model"] = {"family": family.name, **values, **model}
+
+
+def _apply_hf_architecture(raw: dict) -> None:
+    """A Hugging Face model in ``checkpoint.init_from`` fixes the architecture (its config.json)."""
+    checkpoint = raw.get("checkpoint")
+    init_from = checkpoint.get("init_from") if isinstance(checkpoint, dict) else None
+    if not isinstance(init_from, str) or not is_hf_model_dir(Path(init_from)):
+        return
+    try:
+        hf = read_hf_config(Path(init_from))
+        options = registry.for_hf(hf).hf_model_options(hf)
+    except ConversionError as err:
+        raise ConfigError(
+            "checkpoint.init_from", str(err), "start from a model of a supported family"
+        ) from err
+    model = raw.setdefault("model", {})
+    if not isinstance(model, dict):
+        return
+    if model.get("preset") is not None:
+        raise ConfigError(
+            "model.preset", "conflicts with the Hugging Face model in checkpoint.init_from", "remove it"
+        )
+    for key, value in options.items():
+        if key in model and model[key] != value:
+            raise ConfigError(
+                f"model.{key}",
+                f"is {model[key]!r} but {init_from}/config.json has {value!r}",
+                f"remove model.{key}: the Hugging Face model sets it",
+            )
+    model.update(options)

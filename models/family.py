@@ -1,0 +1,95 @@
+"""What the framework asks of a model family: one :class:`Family` per package in ``models/``.
+
+Everything that knows a family's tensor names, formulas or Hugging Face mapping sits behind
+these callables, so training, conversion, preflight and metrics stay family-agnostic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_train.config import ExperimentConfig, ModelConfig
+
+Getter = Callable[[str], torch.Tensor]
+"""Reads one Hugging Face tensor by name."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One of the model's global tensors as megatron's sharded state dict names it.
+
+    ``shape`` is one layer's slice for per-layer tensors (stacked on a leading layer axis in a
+    checkpoint) and the whole tensor otherwise; ``place`` is the pipeline stage that holds it.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    place: Literal["first", "layers", "last"]
+
+    @property
+    def per_layer(self) -> bool:
+        """Stacked over layers."""
+        return self.place == "layers"
+
+    def global_shape(self, num_layers: int) -> tuple[int, ...]:
+        """The checkpoint's shape of the tensor."""
+        return (num_layers, *self.shape) if self.per_layer else self.shape
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """Parameters by where they live: the first stage, each layer, the last stage."""
+
+    first: int
+    per_layer: int
+    last: int
+
+    def total(self, num_layers: int) -> int:
+        """The whole model's parameter count."""
+        return self.first + num_layers * self.per_layer + self.last
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: presets, its megatron-core model, sizes and the Hugging Face mapping."""
+
+    name: str
+    """The value of ``model.family``."""
+    presets: Mapping[str, Mapping[str, Any]]
+    """Preset name -> ``model.*`` values."""
+    hf_architectures: tuple[str, ...]
+    """The config.json ``architectures`` entries this family reads."""
+    transformer_config: Callable[[ExperimentConfig, torch.dtype, bool], TransformerConfig]
+    """megatron-core's TransformerConfig (the bool: Transformer Engine layers)."""
+    build_model_chunks: Callable[[ExperimentConfig, TransformerConfig, bool], list[torch.nn.Module]]
+    """One megatron-core model per virtual pipeline stage held by this rank."""
+    initial_value: Callable[[ModelConfig, str, tuple[int, ...], torch.Generator], torch.Tensor]
+    """A global tensor's initial value, drawn from the generator given."""
+    tensors: Callable[[ModelConfig], list[Tensor]]
+    """Every tensor a checkpoint of the model holds, in checkpoint order."""
+    flops_per_token: Callable[[ModelConfig, int], float]
+    """Training FLOPs per token at a sequence length (Megatron-LM's convention)."""
+    hf_model_options: Callable[[dict], dict]
+    """``model.*`` options for a config.json (ConversionError naming what is unsupported)."""
+    hf_caveats: Callable[[dict], list[str]]
+    """Differences from transformers worth a note but not a refusal."""
+    hf_config: Callable[[ModelConfig, torch.dtype, dict], dict]
+    """A config.json for a model trained here (the dict: bos / eos / pad token ids)."""
+    hf_names: Callable[[str, int | None], list[str]]
+    """The transformers tensors one of our tensors (one layer of it) is made of."""
+    to_megatron: Callable[[ModelConfig, str, int | None, Getter], torch.Tensor]
+    """Our tensor (one layer of it) from transformers' tensors."""
+    to_hf: Callable[[ModelConfig, str, int | None, torch.Tensor], dict[str, torch.Tensor]]
+    """transformers' tensors for our tensor (one layer of it)."""
+
+    def parameters(self, m: ModelConfig) -> ParameterCount:
+        """Parameter counts by stage, from :attr:`tensors` (tied embeddings counted once)."""
+        totals = {"first": 0, "layers": 0, "last": 0}
+        for tensor in self.tensors(m):
+            totals[tensor.place] += torch.Size(tensor.shape).numel()
+        return ParameterCount(first=totals["first"], per_layer=totals["layers"], last=totals["last"])

@@ -1,0 +1,39 @@
+"""The model families, looked up by ``model.family``, by preset name or by a Hugging Face
+config.json. Adding a family: a package in ``models/`` that builds a Family, listed here."""
+
+from __future__ import annotations
+
+from megatron_train.config import ModelConfig
+from megatron_train.errors import ConfigError, ConversionError
+from megatron_train.models import llama
+from megatron_train.models.family import Family
+
+FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY,)}
+
+
+def family_of(m: ModelConfig) -> Family:
+    """The family ``model.family`` names."""
+    if m.family not in FAMILIES:
+        raise ConfigError("model.family", f"unknown family {m.family!r}", f"use one of {sorted(FAMILIES)}")
+    return FAMILIES[m.family]
+
+
+def preset(name: str) -> tuple[Family, dict]:
+    """The family a preset belongs to and the ``model.*`` values it sets."""
+    for family in FAMILIES.values():
+        if name in family.presets:
+            return family, dict(family.presets[name])
+    names = sorted(p for family in FAMILIES.values() for p in family.presets)
+    raise ConfigError("model.preset", f"unknown preset {name!r}", f"use one of {names}")
+
+
+def for_hf(hf: dict) -> Family:
+    """The family that reads a Hugging Face config.json (its one ``architectures`` entry)."""
+    archs = hf.get("architectures") or []
+    for family in FAMILIES.values():
+        if len(archs) == 1 and archs[0] in family.hf_architectures:
+            return family
+    supported = [a for family in FAMILIES.values() for a in family.hf_architectures]
+    raise ConversionError(
+        f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {', '.join(supported)}"
+    )
