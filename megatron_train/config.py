@@ -80,6 +80,20 @@ class ModelConfig:
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     """Layer implementation: Transformer Engine's fused layers, megatron-core's own layers with
     PyTorch SDPA attention, or ``auto`` (TE when it imports and CUDA is present)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation, memory for compute: ``selective`` recomputes the submodules in
+    model.recompute_modules during backward; ``full`` keeps only layer inputs and recomputes
+    whole layers (model.recompute_method and model.recompute_num_layers say which)."""
+    recompute_modules: list[Any] = field(default_factory=lambda: ["core_attn"])
+    """For ``selective``: any of ``core_attn`` (attention), ``mlp`` (the SwiGLU MLP) and
+    ``layernorm`` (both norms of the local spec; Transformer Engine fuses them into the linears)."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """For ``full``: ``uniform`` recomputes every layer, in groups of model.recompute_num_layers
+    whose inputs are kept; ``block`` recomputes the first model.recompute_num_layers layers of each
+    pipeline (or virtual) stage and keeps the rest's activations."""
+    recompute_num_layers: int = 1
+    """For ``full``: the group size (uniform) or the layers per stage to recompute (block), from
+    1 to the layers of one (virtual) pipeline stage."""
 
     @property
     def head_dim(self) -> int:
@@ -489,6 +503,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             f"{m.num_layers} layers are not divisible by pipeline x virtual_pipeline = {p.pipeline} x {vpp}",
             "use a layer count that is a multiple of pipeline x virtual_pipeline",
         )
+    _validate_recompute(m, m.num_layers // (p.pipeline * vpp))
     if p.sequence_parallel and p.tensor == 1:
         raise ConfigError(
             "parallel.sequence_parallel", "needs parallel.tensor > 1", "set it to false or raise TP"
@@ -558,6 +573,29 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "checkpoint.finetune",
             "needs a checkpoint to take weights from",
             "set checkpoint.load to its path",
+        )
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
+def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
+    if m.recompute == "selective":
+        modules = m.recompute_modules
+        bad = [x for x in modules if x not in RECOMPUTE_MODULES]
+        if not modules or bad or len(set(modules)) != len(modules):
+            raise ConfigError(
+                "model.recompute_modules",
+                f"{modules!r} is not a non-empty list of distinct modules"
+                + (f" ({bad!r} unknown)" if bad else ""),
+                f"list some of {list(RECOMPUTE_MODULES)}",
+            )
+    if m.recompute == "full" and not 1 <= m.recompute_num_layers <= layers_per_stage:
+        raise ConfigError(
+            "model.recompute_num_layers",
+            f"must be between 1 and the {layers_per_stage} layers of one pipeline stage, "
+            f"got {m.recompute_num_layers}",
+            f"set it to a value from 1 to {layers_per_stage}",
         )
 
 

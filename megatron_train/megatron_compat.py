@@ -145,6 +145,25 @@ def write_checkpoint_extras(common: dict, ckpt_dir: Path) -> None:
     save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(ckpt_dir))
 
 
+_original_checkpoint_init = mcore_random.CheckpointWithoutOutput.__init__
+
+
+def _checkpoint_init_without_te(self, fp8=False) -> None:
+    _original_checkpoint_init(self, None if fp8 is False else fp8)
+
+
+def recompute_without_transformer_engine() -> None:
+    """Let selective recompute of norms (and MoE activations) run without Transformer Engine.
+
+    0.16.1: ``CheckpointWithoutOutput(fp8=False)``, as the transformer layer and MoE experts build
+    it, sets ``self.fp8 = fp8 is not None``, i.e. True, and then calls TE's FP8 state manager,
+    which is undefined without TE (NameError). Without TE there is no FP8, so False becomes None.
+    With TE installed nothing changes (TE answers whether FP8 is on). Idempotent.
+    """
+    if not mcore_random.HAVE_TE:
+        mcore_random.CheckpointWithoutOutput.__init__ = _checkpoint_init_without_te
+
+
 def redirect_cuda_rng_state(get: Callable[..., torch.Tensor], set_: Callable[..., None]) -> None:
     """Make megatron's RNG tracker read and write the generator ``get`` / ``set_`` stand for.
 

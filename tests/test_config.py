@@ -43,6 +43,15 @@ BAD_INPUTS = [
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),
     (["optimizer.warmup_steps=100"], 1, "optimizer.warmup_steps"),
     (["model.preset=llama9"], 1, "model.preset"),
+    (["model.family=gpt2"], 1, "model.family"),
+    (["model.recompute=selective", "model.recompute_modules=[attention]"], 1, "model.recompute_modules"),
+    (["model.recompute=selective", "model.recompute_modules=[]"], 1, "model.recompute_modules"),
+    (
+        ["model.recompute=full", "model.recompute_num_layers=3", "parallel.pipeline=2"],
+        2,
+        "model.recompute_num_layers",
+    ),
+    (["model.recompute=everything"], 1, "model.recompute"),
 ]
 
 

@@ -30,6 +30,10 @@ def test_private_names_we_use_still_exist():
         "self", "model_param", "tensors",
     ]  # fmt: skip
     assert callable(DistributedOptimizer._init_optimizer_states_with_dummy_values)
+    if not mcore_random.HAVE_TE:
+        assert mcore_random.CheckpointWithoutOutput().fp8, "megatron fixed CheckpointWithoutOutput's fp8 flag"
+        megatron_compat.recompute_without_transformer_engine()
+        assert not mcore_random.CheckpointWithoutOutput().fp8
     tracker_fork = inspect.getsource(mcore_random.CudaRNGStatesTracker.fork)
     assert "_get_cuda_rng_state" in tracker_fork and "_set_cuda_rng_state" in tracker_fork
 

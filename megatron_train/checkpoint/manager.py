@@ -10,6 +10,7 @@ the files (sizes, SHA-256) in a thread, then moves the tracker and applies reten
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
 import signal
 import threading
@@ -46,9 +47,22 @@ from megatron_train.config import ExperimentConfig, checkpoint_dir
 from megatron_train.stopping import STOP_SIGNALS, Decision
 
 
-def _ignore_stop_signals() -> None:
+def _serve_while_parent_lives() -> None:
+    """The writer Manager's initializer: ignore stop signals, exit when the training process is gone.
+
+    Ignoring the signals lets a save-and-stop finish; watching the parent keeps a crashed rank's
+    Manager from outliving it (it would hold the job's stdout open, so launchers never see EOF).
+    """
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def exit_with_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=exit_with_parent, daemon=True).start()
 
 
 def _start_results_manager() -> None:
@@ -60,7 +74,7 @@ def _start_results_manager() -> None:
     start-up (seconds: it imports torch) with model building instead of the first save.
     """
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_ignore_stop_signals)
+    manager.start(initializer=_serve_while_parent_lives)
     megatron_compat.use_async_results_queue(manager.Queue())
 
 

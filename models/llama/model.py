@@ -11,6 +11,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_train.config import ExperimentConfig, ModelConfig
+from megatron_train.models.common import shared_options
 from megatron_train.models.llama.specs import decoder_block_spec
 
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
@@ -20,8 +21,7 @@ def transformer_config(
     cfg: ExperimentConfig, params_dtype: torch.dtype, use_transformer_engine: bool
 ) -> TransformerConfig:
     """megatron-core's TransformerConfig for this experiment's model and layout."""
-    m, p = cfg.model, cfg.parallel
-    on_gpu = torch.cuda.is_available()
+    m = cfg.model
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -38,28 +38,7 @@ def transformer_config(
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
-        tensor_model_parallel_size=p.tensor,
-        pipeline_model_parallel_size=p.pipeline,
-        virtual_pipeline_model_parallel_size=p.virtual_pipeline if (p.virtual_pipeline or 1) > 1 else None,
-        sequence_parallel=p.sequence_parallel,
-        context_parallel_size=p.context,
-        params_dtype=params_dtype,
-        pipeline_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        # Weights are initialised afterwards by megatron_train.init, identically for any layout.
-        perform_initialization=False,
-        use_cpu_initialization=not on_gpu,
-        # Fused kernels exist only on GPU (TE / Triton / apex); the CPU path uses plain ops.
-        bias_activation_fusion=on_gpu,
-        bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=use_transformer_engine,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        cross_entropy_loss_fusion=m.cross_entropy_fusion and on_gpu,
-        cross_entropy_fusion_impl="te" if use_transformer_engine else "native",
-        calculate_per_token_loss=True,
-        deallocate_pipeline_outputs=True,
+        **shared_options(cfg, params_dtype, use_transformer_engine),
     )
 
 
