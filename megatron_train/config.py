@@ -504,6 +504,12 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "use a layer count that is a multiple of pipeline x virtual_pipeline",
         )
     _validate_recompute(m, m.num_layers // (p.pipeline * vpp))
+    if cfg.ddp.overlap_param_gather and not cfg.optimizer.distributed:
+        raise ConfigError(
+            "ddp.overlap_param_gather",
+            "overlaps the distributed optimizer's parameter all-gather, but optimizer.distributed is false",
+            "set optimizer.distributed=true or ddp.overlap_param_gather=false",
+        )
     if p.sequence_parallel and p.tensor == 1:
         raise ConfigError(
             "parallel.sequence_parallel", "needs parallel.tensor > 1", "set it to false or raise TP"

@@ -47,6 +47,13 @@ def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     return chunks
 
 
+def aligns_param_gather(cfg: ExperimentConfig) -> bool:
+    """Whether the interleaved schedule launches the parameter all-gathers of all pipeline stages
+    together (Megatron-LM's default ``align_param_gather`` when overlapping them under VPP)."""
+    overlapped = cfg.ddp.overlap_param_gather and cfg.optimizer.distributed
+    return overlapped and (cfg.parallel.virtual_pipeline or 1) > 1
+
+
 def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParallel]:
     """Build, initialise and DDP-wrap this rank's model chunks."""
     chunks = build_chunks(cfg, rt)
@@ -56,6 +63,7 @@ def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParal
         grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,
         overlap_param_gather=cfg.ddp.overlap_param_gather,
+        align_param_gather=aligns_param_gather(cfg),
         use_distributed_optimizer=cfg.optimizer.distributed,
         bucket_size=cfg.ddp.bucket_size,
     )

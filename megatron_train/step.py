@@ -13,6 +13,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_train.config import ExperimentConfig
+from megatron_train.model import aligns_param_gather
 from megatron_train.optim import select_adam_kernel
 
 
@@ -90,7 +91,7 @@ def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, optimizer) -> None:
     if cfg.ddp.overlap_grad_reduce:
         sync = [chunk.start_grad_sync for chunk in model]
         tconfig.grad_sync_func = sync[0] if len(sync) == 1 else sync
-    if cfg.ddp.overlap_param_gather and cfg.optimizer.distributed:
+    if aligns_param_gather(cfg):
         sync = [chunk.start_param_sync for chunk in model]
         tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
 

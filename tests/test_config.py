@@ -52,6 +52,7 @@ BAD_INPUTS = [
         "model.recompute_num_layers",
     ),
     (["model.recompute=everything"], 1, "model.recompute"),
+    (["ddp.overlap_param_gather=true", "optimizer.distributed=false"], 1, "ddp.overlap_param_gather"),
 ]
 
 

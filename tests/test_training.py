@@ -53,6 +53,7 @@ LAYOUTS = [
     (1, 2, 1, []),
     (1, 1, 2, ["optimizer.distributed=false"]),
     (2, 2, 2, []),
+    (2, 2, 2, ["ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"]),
     (2, 1, 1, ["parallel.sequence_parallel=true"]),
     (2, 2, 1, ["parallel.sequence_parallel=true"]),
 ]

@@ -9,13 +9,14 @@ the files (sizes, SHA-256) in a thread, then moves the tracker and applies reten
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.managers import SyncManager
 from pathlib import Path
 
@@ -78,6 +79,24 @@ def _start_results_manager() -> None:
     megatron_compat.use_async_results_queue(manager.Queue())
 
 
+@contextlib.contextmanager
+def gathered_params(model: list) -> Iterator[None]:
+    """Every parameter holds this step's value inside the block, as Megatron-LM does before saving.
+
+    With ``ddp.overlap_param_gather`` the distributed optimizer updates only this rank's shard;
+    the other shards are all-gathered by forward pre-hooks during the next step. Disabling the
+    hooks gathers them now; they are re-enabled (nothing left to gather) afterwards.
+    """
+    hooked = [chunk for chunk in model if chunk.use_forward_hook]
+    for chunk in hooked:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in hooked:
+            chunk.enable_forward_pre_hook()
+
+
 class Checkpointer:
     """Decides when to save, saves and prunes the checkpoints of one run; finds and loads the one
     to resume from."""
@@ -119,8 +138,9 @@ class Checkpointer:
             path.mkdir(parents=True)
         torch.distributed.barrier()
         common = metadata(self.cfg, Layout.current())
-        state = full_state(model, optimizer, scheduler, progress, common, is_loading=False)
-        request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+        with gathered_params(model):
+            state = full_state(model, optimizer, scheduler, progress, common, is_loading=False)
+            request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
         request.add_finalize_fn(lambda: self._finalize(iteration, path, start, record_fields(common)))
         if self._queue is not None:
             self._queue.schedule_async_request(request)
