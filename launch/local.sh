@@ -8,4 +8,7 @@ else echo "launch/local.sh: no GPU found; give the number of CPU ranks as the fi
 fi
 # One thread per rank: ranks already fill the cores, and oversubscription slows gloo collectives.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# One CUDA work queue per device keeps megatron's TP / sequence-parallel communication ordered
+# with the compute it overlaps (Megatron-LM requires it); pretrain.sbatch sets it too.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 exec torchrun --standalone --nproc-per-node "$NPROC" -m megatron_train.train "$@"

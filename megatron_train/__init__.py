@@ -2,11 +2,16 @@
 
 import warnings
 
+import torch
+
 __version__ = "0.1.0"
 
-# Known, harmless start-up noise from our dependencies; anything else still shows.
-warnings.filterwarnings("ignore", message="Apex is not installed")
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+# Known, harmless start-up noise from our dependencies; anything else still shows. Without CUDA,
+# Transformer Engine and apex cannot be used, so megatron-core's notes that it falls back without
+# them say nothing; on a GPU node they are shown (a fused path is missing there).
+if not torch.cuda.is_available():
+    warnings.filterwarnings("ignore", message="Apex is not installed")
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 warnings.filterwarnings(
     "ignore", message=r".*`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
 )

@@ -154,6 +154,9 @@ class DataConfig:
     """Where index caches are written; None puts them in ``<run_dir>/data_cache``."""
     num_workers: int = 2
     """DataLoader worker processes per rank (0 reads in the training process)."""
+    build_timeout_minutes: float = 120.0
+    """How long the other ranks wait while rank 0 builds the dataset index (the first run over a
+    large blend can take far longer than the collective timeout of training)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """The tokenizer the data was preprocessed with."""
 
@@ -446,6 +449,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
         ("train.global_batch_size", t.global_batch_size),
         ("train.steps", t.steps),
         ("data.seq_length", d.seq_length),
+        ("data.build_timeout_minutes", d.build_timeout_minutes),
         ("logging.log_interval", t.steps and cfg.logging.log_interval),
     ]:
         _require_at_least(1, key, value, "a positive integer")

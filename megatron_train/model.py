@@ -7,34 +7,48 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from megatron_train.config import ExperimentConfig
+from megatron_train.errors import ConfigError
 from megatron_train.init import initialize_weights
 from megatron_train.megatron_compat import mark_tensor_parallel_weights, recompute_without_transformer_engine
 from megatron_train.models.registry import family_of
 from megatron_train.runtime import Runtime
 
 
-def transformer_engine_available() -> bool:
-    """Whether Transformer Engine imports and a GPU is present."""
+def transformer_engine_missing() -> str | None:
+    """Why Transformer Engine cannot be used here (no CUDA, or its import error), or None."""
     if not torch.cuda.is_available():
-        return False
+        return "no CUDA device"
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as err:
+        return f"it does not import ({err})"
+    return None
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports and a GPU is present."""
+    return transformer_engine_missing() is None
+
+
+def layer_implementation(cfg: ExperimentConfig) -> tuple[bool, str]:
+    """Whether to use Transformer Engine layers, and why, for the log."""
+    impl, missing = cfg.model.transformer_impl, transformer_engine_missing()
+    if impl == "local":
+        return False, "local layers (model.transformer_impl=local)"
+    if missing is None:
+        return True, f"Transformer Engine layers (model.transformer_impl={impl})"
+    if impl == "transformer_engine":
+        raise ConfigError(
+            "model.transformer_impl",
+            f"is transformer_engine but Transformer Engine cannot be used: {missing}",
+            "install the 'gpu' extra on a GPU node (README: Versions) or set model.transformer_impl=local",
+        )
+    return False, f"local layers (model.transformer_impl=auto: Transformer Engine unusable, {missing})"
 
 
 def use_transformer_engine(cfg: ExperimentConfig) -> bool:
     """Resolve ``model.transformer_impl`` against what this machine has."""
-    impl = cfg.model.transformer_impl
-    if impl == "auto":
-        return transformer_engine_available()
-    if impl == "transformer_engine" and not transformer_engine_available():
-        raise RuntimeError(
-            "model.transformer_impl=transformer_engine but Transformer Engine or CUDA is missing; "
-            "install the 'gpu' extra on a GPU node or set model.transformer_impl=local"
-        )
-    return impl == "transformer_engine"
+    return layer_implementation(cfg)[0]
 
 
 def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,8 +78,10 @@ def compute_dtype(cfg: ExperimentConfig) -> torch.dtype:
 def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     """Join the process group, build megatron's parallel groups and seed every RNG."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
-        device, backend = torch.device("cuda", env.local_rank), "nccl"
+        # Slurm may give each task one visible GPU (--gpus-per-task), torchrun all of the node's.
+        index = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        device, backend = torch.device("cuda", index), "nccl"
     else:
         cpu_compat.enable()
         device, backend = torch.device("cpu"), "gloo"
@@ -88,7 +92,7 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
         backend=backend,
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(minutes=int(os.environ.get("MEGATRON_TRAIN_DIST_TIMEOUT_MIN", 10))),
+        timeout=collective_timeout(),
     )
     p = cfg.parallel
     parallel_state.initialize_model_parallel(
@@ -100,6 +104,27 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     )
     seed_everything(cfg.train.seed)
     return Runtime(env.rank, env.world_size, device, compute_dtype(cfg))
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective may wait before the job fails: ``$MEGATRON_TRAIN_DIST_TIMEOUT_MIN``
+    minutes (10, as torch's NCCL default), so a hung rank ends the job instead of its allocation."""
+    return datetime.timedelta(minutes=float(os.environ.get("MEGATRON_TRAIN_DIST_TIMEOUT_MIN", 10)))
+
+
+@contextlib.contextmanager
+def patient_collectives(minutes: float) -> Iterator[None]:
+    """The default group's collectives may wait up to ``minutes`` inside the block.
+
+    megatron's dataset builder builds the index on rank 0 while the other ranks wait in a
+    barrier; for a large blend that takes longer than a training collective may wait.
+    """
+    set_timeout = dist.distributed_c10d._set_pg_timeout  # torch's only per-group timeout setter
+    set_timeout(datetime.timedelta(minutes=minutes))
+    try:
+        yield
+    finally:
+        set_timeout(collective_timeout())
 
 
 def seed_everything(seed: int) -> None:

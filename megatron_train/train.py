@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import torch
 import yaml
 
 from megatron_train import runtime
@@ -58,14 +59,13 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
 
 def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch, checkpointer) -> int:
     """The body of :func:`train`: model, resume, data, then the step loop; returns the exit code."""
-    import torch
     from megatron.core import parallel_state
 
     from megatron_train import warm_start
     from megatron_train.checkpoint.state import Progress
     from megatron_train.data import batch_iterator, build_datasets
     from megatron_train.evaluation import Evaluator
-    from megatron_train.model import build_model, use_transformer_engine
+    from megatron_train.model import build_model, layer_implementation
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
 
@@ -86,11 +86,11 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
         f"layout TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} "
         f"VPP={cfg.parallel.virtual_pipeline or 1} DP={dp} on {rt.world_size} {rt.device.type} "
         f"ranks | {stepper.num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
-        f"{'Transformer Engine' if use_transformer_engine(cfg) else 'local'} "
-        f"layers, {str(rt.dtype).removeprefix('torch.')}"
+        f"{layer_implementation(cfg)[1]}, {str(rt.dtype).removeprefix('torch.')}"
     )
 
-    train_ds, valid_ds = build_datasets(cfg, cfg.data.cache_dir or str(run_dir / "data_cache"))
+    with runtime.patient_collectives(cfg.data.build_timeout_minutes):
+        train_ds, valid_ds = build_datasets(cfg, cfg.data.cache_dir or str(run_dir / "data_cache"))
     train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in model]
     evaluator = Evaluator(cfg, stepper, valid_ds, log)
     log.start_interval()
@@ -151,7 +151,9 @@ def _main(argv: list[str] | None) -> int:
         if env.rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    warnings.filterwarnings("ignore", module="megatron")
+    if not torch.cuda.is_available():
+        # Without a GPU, megatron-core's notes that fused kernels are unavailable are expected.
+        warnings.filterwarnings("ignore", module="megatron")
     rt = runtime.initialize(cfg, env)
     try:
         run_dir, exit_code = train(cfg, rt)

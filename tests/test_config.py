@@ -116,3 +116,12 @@ def test_init_from_an_hf_model_sets_the_architecture_and_refuses_conflicts(good_
         with pytest.raises(ConfigError) as info:
             validate(load_config(good_config, overrides), world_size=1)
         assert info.value.key == "checkpoint.init_from"
+
+
+def test_transformer_engine_demanded_where_it_cannot_run_is_one_line(good_config):
+    te = "model.transformer_impl=transformer_engine"
+    result = run_tool("-m", "megatron_train.train", "--config", str(good_config), te, check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "'model.transformer_impl'" in errors[0] and "no CUDA device" in errors[0]
+    assert "Traceback" not in result.stderr
