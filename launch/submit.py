@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log-dir", default="logs", help="per-job directory with per-rank logs goes here")
     parser.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
     parser.add_argument("--skip-preflight", action="store_true")
+    parser.add_argument(
+        "--gpu-memory-gib", default="80", help="preflight refuses layouts estimated above this"
+    )
+    parser.add_argument("--allow-over-memory", action="store_true", help="submit above --gpu-memory-gib")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch command, do not submit")
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     return parser.parse_args(argv)
@@ -80,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_preflight:
         preflight = [sys.executable, "-m", "megatron_train.preflight", "--config", args.config,
                      "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
-                     *args.overrides]  # fmt: skip
+                     "--gpu-memory-gib", args.gpu_memory_gib]  # fmt: skip
+        if args.allow_over_memory:
+            preflight.append("--allow-over-memory")
+        preflight += args.overrides
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if subprocess.call(preflight, cwd=ROOT, env=env) != 0:
             print("not submitted: fix the preflight error above", file=sys.stderr)

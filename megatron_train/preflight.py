@@ -1,5 +1,6 @@
 """Check a job before it waits in the queue: config vs allocation, data, tokenizer, save dir,
-resume checkpoint, and a per-GPU memory estimate. Runs on a login node (no GPU, no torch.distributed).
+resume checkpoint, and a per-GPU memory estimate (an error above the GPU's memory, naming layouts
+that fit). Runs on a login node (no GPU, no torch.distributed).
 
     python -m megatron_train.preflight --config X.yaml --nodes 4 --gpus-per-node 8 [key=value ...]
 
@@ -11,54 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-from dataclasses import dataclass
 
 from megatron_train.config import ExperimentConfig, checkpoint_dir, data_parallel_size
 from megatron_train.errors import BAD_INPUT, ConfigError
-from megatron_train.models.registry import family_of
+from megatron_train.memory import MemoryEstimate, estimate, fitting_layouts
 from megatron_train.resolve import resolve
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per GPU on the busiest pipeline stage."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-
-    @property
-    def total(self) -> float:
-        """Everything above."""
-        return self.weights + self.grads + self.optimizer + self.activations
-
-
-def stage_parameters(cfg: ExperimentConfig) -> float:
-    """Parameters held by one GPU of the first pipeline stage (its layers plus the embedding, and
-    the output end too without pipelining)."""
-    m, p = cfg.model, cfg.parallel
-    count = family_of(m).parameters(m)
-    last = count.last if p.pipeline == 1 else 0
-    return (count.first + m.num_layers / p.pipeline * count.per_layer + last) / p.tensor
-
-
-def estimate_memory(cfg: ExperimentConfig, world_size: int) -> MemoryEstimate:
-    """Weights (bf16), fp32 grads, fp32 main params + Adam moments (sharded over DP with the
-    distributed optimizer), and 1F1B activations with flash attention (Korthikanti et al.)."""
-    p, t, m = cfg.parallel, cfg.train, cfg.model
-    dp = data_parallel_size(cfg, world_size)
-    params = stage_parameters(cfg)
-    optimizer_shards = dp if cfg.optimizer.distributed else 1
-    s, b, h = cfg.data.seq_length / p.context, t.micro_batch_size, m.hidden_size
-    per_layer = s * b * h * 34 / (p.tensor if p.sequence_parallel else 1)
-    in_flight = min(p.pipeline, t.global_batch_size // (t.micro_batch_size * dp))
-    return MemoryEstimate(
-        weights=2 * params,
-        grads=(4 if cfg.ddp.grad_reduce_in_fp32 else 2) * params,
-        optimizer=12 * params / optimizer_shards,
-        activations=per_layer * m.num_layers / p.pipeline * in_flight,
-    )
 
 
 def check_save_dir(cfg: ExperimentConfig) -> None:
@@ -102,26 +60,51 @@ def check_resume(cfg: ExperimentConfig) -> str:
     return f"resumes from {decision.path}"
 
 
-def run(config: str, overrides: list[str], world_size: int) -> tuple[list[str], MemoryEstimate]:
-    """All checks; returns the report lines and the memory estimate, or raises ConfigError."""
+def check_memory(cfg: ExperimentConfig, world_size: int, gpu_memory_gib: float) -> MemoryEstimate:
+    """The per-GPU estimate; ConfigError naming layouts that fit when it exceeds the GPU's memory."""
+    mem = estimate(cfg, world_size)
+    limit = gpu_memory_gib * 2**30
+    if mem.total > limit:
+        fits = fitting_layouts(cfg, world_size, limit)
+        raise ConfigError(
+            "parallel",
+            f"the estimate is {mem.total / 2**30:.1f} GiB per GPU ({mem.stage} stage), above "
+            f"--gpu-memory-gib={gpu_memory_gib:g}",
+            (
+                "use one of: " + " | ".join(fits)
+                if fits
+                else "use more GPUs, recompute or a smaller micro batch"
+            )
+            + " (or pass --allow-over-memory)",
+        )
+    return mem
+
+
+def run(
+    config: str,
+    overrides: list[str],
+    world_size: int,
+    gpu_memory_gib: float = 80.0,
+    allow_over_memory: bool = False,
+) -> list[str]:
+    """All checks; returns the report lines, or raises a bad-input error."""
     cfg = resolve(config, overrides, world_size)
     check_save_dir(cfg)
     resume = check_resume(cfg)
-    mem = estimate_memory(cfg, world_size)
+    mem = estimate(cfg, world_size) if allow_over_memory else check_memory(cfg, world_size, gpu_memory_gib)
     gib = 2**30
     p = cfg.parallel
     dp = data_parallel_size(cfg, world_size)
-    lines = [
+    return [
         f"layout: TP{p.tensor} x PP{p.pipeline} x CP{p.context} x DP{dp} = {world_size} ranks; "
         f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step",
         f"data: {len(cfg.data.blend)} blend entries found; the tokenizer fits "
         f"model.vocab_size={cfg.model.vocab_size}",
         f"checkpoints: {checkpoint_dir(cfg)} is writable; the job {resume}",
-        f"memory per GPU (estimate, busiest stage): weights {mem.weights / gib:.1f} GiB + grads "
+        f"memory per GPU (estimate, {mem.stage} stage): weights {mem.weights / gib:.1f} GiB + grads "
         f"{mem.grads / gib:.1f} + optimizer {mem.optimizer / gib:.1f} + activations "
-        f"{mem.activations / gib:.1f} = {mem.total / gib:.1f} GiB",
+        f"{mem.activations / gib:.1f} = {mem.total / gib:.1f} GiB of {gpu_memory_gib:g}",
     ]
-    return lines, mem
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,22 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="warn above this (H100: 80)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="the GPU's memory (H100: 80)")
+    parser.add_argument(
+        "--allow-over-memory", action="store_true", help="report, do not refuse, an estimate above it"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     try:
-        lines, mem = run(args.config, args.overrides, args.nodes * args.gpus_per_node)
+        lines = run(
+            args.config,
+            args.overrides,
+            args.nodes * args.gpus_per_node,
+            args.gpu_memory_gib,
+            args.allow_over_memory,
+        )
     except BAD_INPUT as err:
         print(f"preflight error: {err}", file=sys.stderr)
         return 2
     for line in lines:
         print(f"preflight: {line}")
-    if mem.total / 2**30 > args.gpu_memory_gib:
-        print(
-            f"preflight warning: the estimate exceeds {args.gpu_memory_gib:g} GiB per GPU; consider more "
-            "tensor/pipeline parallelism, sequence parallelism or a smaller micro batch",
-            file=sys.stderr,
-        )
     return 0
 
 

@@ -1,0 +1,160 @@
+"""Per-GPU memory of a training job, from the config alone: the model states (weights, gradient
+buffer, optimizer shards) and the activations the pipeline schedule keeps alive, for the busiest
+pipeline stage. Preflight reports it and refuses layouts that do not fit.
+
+Activations are counted per token and layer for a Llama-style block as megatron-core saves them
+for backward with flash / SDPA attention (no score matrix); tensors of hidden size are split over
+TP only with sequence parallelism. The last stage adds the logits and the cross-entropy's fp32
+softmax. ``benchmarks/memory_model.py`` measures peak
+memory for comparison (``tests/test_memory.py`` holds it within 15%).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_train.config import ExperimentConfig, data_parallel_size
+from megatron_train.models.registry import family_of
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU on one pipeline stage."""
+
+    stage: str
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        """Everything above."""
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def _layer_values_per_token(cfg: ExperimentConfig, te: bool) -> dict[str, float]:
+    """Activation values one layer keeps per token, by what recompute can drop.
+
+    Local spec (unfused; what the CPU runs): each norm keeps its input, the normalised value and
+    its output; attention keeps the QKV output (v is a view of it), q and k after RoPE, the output
+    and the output projection's contiguous input; SwiGLU keeps gate, up and silu(gate), the down
+    projection its input. Transformer Engine fuses each norm into the next linear (input and norm
+    output kept) and SwiGLU into one kernel.
+    """
+    m, p = cfg.model, cfg.parallel
+    q, kv, f = m.head_dim * m.num_attention_heads, m.head_dim * m.query_groups, m.ffn_hidden_size
+    hidden = m.hidden_size / (p.tensor if p.sequence_parallel else 1)
+    if te:
+        return {"layer input": hidden, "norms": 3 * hidden, "attention": (3 * q + 3 * kv) / p.tensor,
+                "mlp": 3 * f / p.tensor}  # fmt: skip
+    return {"layer input": hidden, "norms": 5 * hidden, "attention": (4 * q + 3 * kv) / p.tensor,
+            "mlp": 4 * f / p.tensor}  # fmt: skip
+
+
+def _layer_bytes(cfg: ExperimentConfig, te: bool, tokens: float, elem: int, layers: float) -> float:
+    """Bytes ``layers`` layers keep for one micro-batch, with the configured recompute."""
+    m = cfg.model
+    parts = {key: value * tokens * elem for key, value in _layer_values_per_token(cfg, te).items()}
+    full = sum(parts.values())
+    if m.recompute == "selective":
+        # mlp: only its input (the checkpoint's) stays; layernorm: the normalised values and
+        # outputs of both norms go (Transformer Engine fuses the norms, so nothing to drop).
+        dropped = {"mlp": parts["mlp"], "layernorm": 0.0 if te else parts["norms"] * 4 / 5}
+        return layers * (full - sum(dropped.get(module, 0.0) for module in m.recompute_modules))
+    if m.recompute == "full" and m.recompute_method == "uniform":
+        group = min(m.recompute_num_layers, layers)
+        return layers / group * parts["layer input"] + group * full
+    if m.recompute == "full":
+        recomputed = min(m.recompute_num_layers, layers)
+        return recomputed * parts["layer input"] + (layers - recomputed) * full + full
+    return layers * full
+
+
+def _in_flight(cfg: ExperimentConfig, microbatches: int) -> float:
+    """Micro-batches whose activations the first stage holds at once (in units of all its layers)."""
+    p = cfg.parallel
+    vpp = p.virtual_pipeline or 1
+    if p.pipeline == 1:
+        return 1
+    if vpp == 1:
+        return min(p.pipeline, microbatches)
+    # Interleaved warm-up: (pp - 1) * 2 + (vpp - 1) * pp chunk-microbatches, plus the one running.
+    chunks = min(microbatches * vpp, (p.pipeline - 1) * 2 + (vpp - 1) * p.pipeline + 1)
+    return chunks / vpp
+
+
+def estimate(cfg: ExperimentConfig, world_size: int, on_gpu: bool = True) -> MemoryEstimate:
+    """The busiest stage's memory per GPU: on GPU bf16 compute with fp32 master weights (or what
+    ``train.precision`` says) and Transformer Engine layers unless ``model.transformer_impl`` is
+    local; on CPU fp32 and the local layers."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
+    te = on_gpu and m.transformer_impl != "local"
+    elem = 2 if bf16 else 4
+    dp = data_parallel_size(cfg, world_size)
+    shards = dp * p.context if cfg.optimizer.distributed else 1
+    count = family_of(m).parameters(m)
+    layers = m.num_layers / p.pipeline
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    tokens = t.micro_batch_size * cfg.data.seq_length / p.context
+    # The logits, and the cross-entropy's fp32 softmax (and fp32 copy of bf16 logits).
+    logits = tokens * m.padded_vocab_size / p.tensor * (elem + (8 if bf16 else 4))
+    stages = {
+        "first": (count.first + layers * count.per_layer + (count.last if p.pipeline == 1 else 0),
+                  _in_flight(cfg, microbatches), logits if p.pipeline == 1 else 0.0),
+        "last": (layers * count.per_layer + count.last + (count.first if m.tie_embeddings else 0),
+                 1.0, logits),
+    }  # fmt: skip
+    estimates = []
+    for stage, (params, in_flight, last_logits) in stages.items():
+        params /= p.tensor
+        estimates.append(
+            MemoryEstimate(
+                stage=stage if p.pipeline > 1 else "only",
+                weights=elem * params,
+                grads=(4 if cfg.ddp.grad_reduce_in_fp32 or not bf16 else 2) * params,
+                optimizer=((4 if bf16 else 0) + 8) * params / shards,
+                activations=in_flight * _layer_bytes(cfg, te, tokens, elem, layers) + last_logits,
+            )
+        )
+    return max(estimates, key=lambda e: e.total)
+
+
+_RECOMPUTE_OVERRIDES = {
+    "none": "",
+    "selective": " model.recompute=selective model.recompute_modules=[mlp,layernorm]",
+    "full": " model.recompute=full",
+}
+
+
+def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) -> list[str]:
+    """Up to three layouts of ``world_size`` GPUs (TP within a node, PP, recompute) that fit,
+    least model parallelism and recompute first, as override strings."""
+    m = cfg.model
+    found = []
+    for recompute in ("none", "selective", "full"):
+        for tensor in (1, 2, 4, 8):
+            for pipeline in (1, 2, 4, 8, 16):
+                if world_size % (tensor * pipeline) or m.num_layers % pipeline or m.query_groups % tensor:
+                    continue
+                parallel = dataclasses.replace(
+                    cfg.parallel,
+                    tensor=tensor,
+                    pipeline=pipeline,
+                    virtual_pipeline=None,
+                    sequence_parallel=tensor > 1,
+                )
+                model = dataclasses.replace(m, recompute=recompute, recompute_modules=["mlp", "layernorm"])
+                trial = dataclasses.replace(cfg, parallel=parallel, model=model)
+                dp = data_parallel_size(trial, world_size)
+                if trial.train.global_batch_size % (trial.train.micro_batch_size * dp):
+                    continue
+                if estimate(trial, world_size).total <= limit_bytes:
+                    extra = _RECOMPUTE_OVERRIDES[recompute]
+                    sp = " parallel.sequence_parallel=true" if tensor > 1 else ""
+                    found.append(f"parallel.tensor={tensor} parallel.pipeline={pipeline}{sp}{extra}")
+                if len(found) == 3:
+                    return found
+    return found
