@@ -30,18 +30,20 @@ def _train(tmp_path, corpus, name: str, nproc: int, *overrides: str):
 
 def test_overlap_at_dp2_matches_and_resumes_bitwise_from_its_saves(tmp_path, corpus):
     off = _steps(_train(tmp_path, corpus, "off", 2, BUCKETS))
-    on_dir = _train(tmp_path, corpus, "on", 2, *OVERLAP, "checkpoint.interval=2", "checkpoint.keep_last=0")
+    saves = ["checkpoint.interval=2", "checkpoint.interval_minutes=0.0001", "checkpoint.keep_last=0"]
+    on_dir = _train(tmp_path, corpus, "on", 2, *OVERLAP, *saves)
     on = _steps(on_dir)
     assert sorted(on) == list(range(1, 7))
     for step in on:
         assert on[step][0] == pytest.approx(off[step][0], rel=1e-6), f"step {step}"
         assert on[step][1] == pytest.approx(off[step][1], rel=1e-6), f"step {step}"
-    # Saved at steps 2 and 4 by the interval and 6 at the end; resume from the first of them.
-    resumed = _steps(
-        _train(tmp_path, corpus, "resumed", 2, *OVERLAP, f"checkpoint.load={on_dir}/checkpoints/iter_0000002")
-    )
-    assert sorted(resumed) == list(range(3, 7))
-    assert all(resumed[step] == on[step] for step in resumed), (resumed, on)
+    # Steps 2 and 4 were saved by the step interval, 1, 3 and 5 by the minute interval, 6 at the
+    # end; resuming from one of each of the first two continues bitwise.
+    for start in (2, 3):
+        load = f"checkpoint.load={on_dir}/checkpoints/iter_{start:07d}"
+        resumed = _steps(_train(tmp_path, corpus, f"resumed-{start}", 2, *OVERLAP, load))
+        assert sorted(resumed) == list(range(start + 1, 7))
+        assert all(resumed[step] == on[step] for step in resumed), (start, resumed, on)
     # The end-of-run checkpoint holds step 6's weights: exported, they equal the run without overlap
     # (a stale shard would differ in half of every tensor by an Adam step; rounding noise, which
     # Adam magnifies where a gradient is near zero, moves single elements).
