@@ -4,10 +4,14 @@ un-gathered until the next forward, so a save must gather them first)."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import records, run_tool, torchrun, write_config
+from megatron_train.checkpoint import files
+from tests.conftest import records, run_tool, torchrun, torchrun_command, write_config
+from tests.test_checkpoint import start, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +43,11 @@ def test_overlap_at_dp2_matches_and_resumes_bitwise_from_its_saves(tmp_path, cor
         assert on[step][1] == pytest.approx(off[step][1], rel=1e-6), f"step {step}"
     # Steps 2 and 4 were saved by the step interval, 1, 3 and 5 by the minute interval, 6 at the
     # end; resuming from one of each of the first two continues bitwise.
-    for start in (2, 3):
-        load = f"checkpoint.load={on_dir}/checkpoints/iter_{start:07d}"
-        resumed = _steps(_train(tmp_path, corpus, f"resumed-{start}", 2, *OVERLAP, load))
-        assert sorted(resumed) == list(range(start + 1, 7))
-        assert all(resumed[step] == on[step] for step in resumed), (start, resumed, on)
+    for first in (2, 3):
+        load = f"checkpoint.load={on_dir}/checkpoints/iter_{first:07d}"
+        resumed = _steps(_train(tmp_path, corpus, f"resumed-{first}", 2, *OVERLAP, load))
+        assert sorted(resumed) == list(range(first + 1, 7))
+        assert all(resumed[step] == on[step] for step in resumed), (first, resumed, on)
     # The end-of-run checkpoint holds step 6's weights: exported, they equal the run without overlap
     # (a stale shard would differ in half of every tensor by an Adam step; rounding noise, which
     # Adam magnifies where a gradient is near zero, moves single elements).
@@ -59,6 +63,26 @@ def test_overlap_at_dp2_matches_and_resumes_bitwise_from_its_saves(tmp_path, cor
         assert differ <= max(1, weight.numel() // 1000), (
             f"{key}: {differ} of {weight.numel()} elements differ"
         )
+
+
+def test_overlap_save_on_a_signal_then_resume_is_bitwise(tmp_path, corpus):
+    """SIGTERM mid-run at DP2 with overlap: the stop save, resumed, continues the uninterrupted run."""
+    train = {"steps": 30, "eval_interval": 0}
+    straight = write_config(tmp_path / "a.yaml", corpus, tmp_path / "a", train=train)
+    result = torchrun(2, straight, *OVERLAP)
+    assert result.returncode == 0, result.stderr[-4000:]
+    config = write_config(tmp_path / "b.yaml", corpus, tmp_path / "b", train=train)
+    log = tmp_path / "b.log"
+    proc = start(torchrun_command(2, config, *OVERLAP), log)
+    wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    assert "on signal SIGTERM" in log.read_text(), log.read_text()[-3000:]
+    stopped_at = files.iteration_of(files.find_latest_complete(tmp_path / "b" / "checkpoints").path)
+    assert stopped_at < 30
+    resumed = torchrun(2, config, *OVERLAP)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _steps(tmp_path / "b") == _steps(tmp_path / "a")
 
 
 def test_overlap_under_the_interleaved_schedule_matches_one_rank(tmp_path, corpus):
