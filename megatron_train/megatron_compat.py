@@ -27,27 +27,21 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     set_tensor_model_parallel_attributes,
 )
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-TESTED = ((0, 16, 1), (0, 17, 0))
-"""The megatron-core versions this module was checked against: at least the first, below the second."""
-
-
-def version() -> tuple[int, ...]:
-    """The installed megatron-core version as numbers (pre-release tags dropped)."""
-    return tuple(
-        int("".join(c for c in part if c.isdigit()) or 0) for part in package_info.__version__.split(".")[:3]
-    )
+TESTED = SpecifierSet(">=0.16.1,<0.17")
+"""The megatron-core versions this module was checked against (pyproject pins the same)."""
 
 
 def is_tested_version() -> bool:
     """Whether the installed megatron-core is in :data:`TESTED`."""
-    return TESTED[0] <= version() < TESTED[1]
+    return Version(package_info.__version__) in TESTED
 
 
 if not is_tested_version():
     warnings.warn(
-        f"megatron-core {package_info.__version__} is outside the tested range "
-        f"{'.'.join(map(str, TESTED[0]))} <= v < {'.'.join(map(str, TESTED[1]))}; "
+        f"megatron-core {package_info.__version__} is outside the tested range {TESTED}; "
         "megatron_train/megatron_compat.py lists what may break",
         stacklevel=1,
     )
