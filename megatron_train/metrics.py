@@ -51,7 +51,7 @@ class MetricsLogger:
     def __init__(self, cfg: ExperimentConfig, run_dir: Path, enabled: bool, world_size: int) -> None:
         self.enabled, self.world_size, self.total_steps = enabled, world_size, cfg.train.steps
         self.log_interval = cfg.logging.log_interval
-        self._interval_start, self._interval_steps = time.perf_counter(), 0
+        self.start_interval()
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_length
         self.flops_per_step = flops_per_token(cfg) * self.tokens_per_step
         self.peak = peak_tflops()

@@ -119,12 +119,16 @@ class Checkpointer:
     def after_step(self, progress: Progress, decision: Decision, model: list, optimizer, scheduler) -> None:
         """Once a step on every rank: finish a background save, then save if the policy says so."""
         self.poll()
-        if self.policy.reason(progress.iteration, decision.elapsed_s, decision.stop):
-            self.save(progress.iteration, model, optimizer, scheduler, progress)
+        why = self.policy.reason(progress.iteration, decision.elapsed_s, decision.stop)
+        if why:
+            self.save(progress.iteration, model, optimizer, scheduler, progress, why)
             self.policy.saved(decision.elapsed_s)
 
-    def save(self, iteration: int, model: list, optimizer, scheduler, progress: Progress) -> None:
-        """Start saving ``iteration``; returns once the state is handed off (async) or written."""
+    def save(
+        self, iteration: int, model: list, optimizer, scheduler, progress: Progress, why: str = "requested"
+    ) -> None:
+        """Start saving ``iteration`` (``why`` goes to the log); returns once the state is handed off
+        (async) or written."""
         self.wait()
         if self._warmup is not None:
             self._warmup.join()
@@ -148,7 +152,9 @@ class Checkpointer:
             request.execute_sync()
         kind = "async" if self._queue is not None else "sync"
         blocked = time.perf_counter() - start
-        self.log(f"checkpoint step {iteration}: {kind} save started, blocked training {blocked:.2f} s")
+        self.log(
+            f"checkpoint step {iteration} ({why}): {kind} save started, blocked training {blocked:.2f} s"
+        )
 
     def _finalize(self, iteration: int, path: Path, start: float, extra: dict) -> None:
         """Runs on every rank once all ranks' files are written (megatron's finalize hook)."""
