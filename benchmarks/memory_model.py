@@ -20,17 +20,13 @@ import sys
 from torchrun_self import relaunch
 
 
-def _resident_mib() -> tuple[float, float]:
-    """(current, peak) resident set of this process, MiB."""
-    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
-
-
 def worker(args) -> None:
+    import psutil
     import torch
 
     from megatron_train import runtime
     from megatron_train.memory import estimate
+    from megatron_train.metrics import peak_memory_gib
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
     from megatron_train.resolve import build_config
@@ -41,7 +37,7 @@ def worker(args) -> None:
     env = runtime.launch_env()
     rt = runtime.initialize(cfg, env)
     on_gpu = rt.device.type == "cuda"
-    base = torch.cuda.memory_allocated() / 2**20 if on_gpu else _resident_mib()[0]
+    base = (torch.cuda.memory_allocated() if on_gpu else psutil.Process().memory_info().rss) / 2**20
     model = build_model(cfg, rt)
     optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
@@ -55,7 +51,7 @@ def worker(args) -> None:
 
     for _ in range(args.steps):
         stepper.train_step([batches() for _ in model])
-    peak = torch.cuda.max_memory_allocated() / 2**20 if on_gpu else _resident_mib()[1]
+    peak = peak_memory_gib() * 1024
     measured = torch.tensor([peak - base], dtype=torch.float64, device=rt.device)
     everyone = [torch.zeros_like(measured) for _ in range(rt.world_size)]
     torch.distributed.all_gather(everyone, measured)
