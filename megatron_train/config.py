@@ -1,7 +1,7 @@
 """The experiment config: one typed schema, fed by a YAML file and ``key.sub=value`` overrides.
 
 Every option is a dataclass field with a docstring below it. Loading rejects unknown keys and
-wrong types, and :func:`validate` rejects impossible layouts, each with a :class:`ConfigError`
+wrong types, and :func:`validate_options` rejects impossible layouts, each with a :class:`ConfigError`
 that names the exact key and how to fix it. This module is a leaf: presets, Hugging Face
 architectures and the tokenizer's vocabulary are filled in by ``megatron_train.resolve``.
 """
@@ -11,15 +11,70 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from megatron_train.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """A field's valid numbers, declared on its type: ``Annotated[int, Range(1)]``."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    """Whether ``low`` itself is excluded."""
+    high_open: bool = False
+    """Whether ``high`` itself is excluded."""
+
+    def allows(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def describe(self) -> str:
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return " and ".join(parts)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A field's valid strings, declared on its type: ``accepts(text)`` is true for them."""
+
+    accepts: Callable[[str], bool]
+    describe: str
+
+
+def split_parts(text: str) -> bool:
+    """Whether ``text`` is a train/valid/test split in parts: up to three non-negative numbers
+    separated by ``,`` or ``/`` with a positive train part (megatron's own parser reads any digit
+    run and asserts on the rest)."""
+    parts = re.split(r"[,/]", text)
+    try:
+        numbers = [float(x) for x in parts]
+    except ValueError:
+        return False
+    return len(parts) <= 3 and all(math.isfinite(x) and x >= 0 for x in numbers) and numbers[0] > 0
+
+
+PositiveInt = Annotated[int, Range(1)]
+NonNegativeInt = Annotated[int, Range(0)]
+PositiveFloat = Annotated[float, Range(0, low_open=True)]
+NonNegativeFloat = Annotated[float, Range(0)]
+Probability = Annotated[float, Range(0, 1, high_open=True)]
+FilePath = Annotated[str, Check(lambda text: bool(text.strip()), "a non-empty path")]
 
 
 @dataclass
@@ -34,42 +89,42 @@ class ModelConfig:
     preset: str | None = None
     """Name of a family's preset (e.g. ``llama3-8b``, ``tiny``; see ``models/<family>/presets.py``).
     Its values are the defaults; any other key set here overrides them."""
-    num_layers: int = 2
+    num_layers: PositiveInt = 2
     """Number of transformer layers."""
-    hidden_size: int = 128
+    hidden_size: PositiveInt = 128
     """Model width."""
-    ffn_hidden_size: int = 352
+    ffn_hidden_size: PositiveInt = 352
     """Width of the SwiGLU MLP's inner projection."""
-    num_attention_heads: int = 4
+    num_attention_heads: PositiveInt = 4
     """Number of query heads."""
-    num_query_groups: int | None = None
+    num_query_groups: PositiveInt | None = None
     """Number of key/value heads for grouped-query attention; None means one per query head."""
-    kv_channels: int | None = None
+    kv_channels: PositiveInt | None = None
     """Per-head dimension; None means hidden_size / num_attention_heads."""
-    max_position_embeddings: int = 2048
+    max_position_embeddings: PositiveInt = 2048
     """Longest sequence the model supports; data.seq_length may not exceed it."""
-    vocab_size: int | None = None
+    vocab_size: PositiveInt | None = None
     """Vocabulary size; None takes it from the tokenizer."""
-    vocab_pad_multiple: int = 128
+    vocab_pad_multiple: PositiveInt = 128
     """The embedding is padded to a multiple of this (independent of TP, so checkpoints
     reshard across TP sizes); it must also be divisible by parallel.tensor."""
-    norm_eps: float = 1e-5
+    norm_eps: PositiveFloat = 1e-5
     """RMSNorm epsilon."""
-    rotary_base: int = 10000
+    rotary_base: PositiveInt = 10000
     """RoPE base (theta)."""
     rope_scaling: bool = False
     """Apply Llama-3.1-style RoPE frequency scaling."""
-    rope_scaling_factor: float = 8.0
+    rope_scaling_factor: Annotated[float, Range(1)] = 8.0
     """Llama-3.1 RoPE scaling factor (used when rope_scaling is true)."""
     tie_embeddings: bool = False
     """Share the input embedding and output projection weights."""
     qkv_bias: bool = False
     """Add a bias to the QKV projection (Qwen2)."""
-    init_method_std: float = 0.02
+    init_method_std: PositiveFloat = 0.02
     """Std of the normal initialisation; output projections are scaled by 1/sqrt(2*num_layers)."""
-    hidden_dropout: float = 0.0
+    hidden_dropout: Probability = 0.0
     """Dropout after attention and MLP blocks."""
-    attention_dropout: float = 0.0
+    attention_dropout: Probability = 0.0
     """Dropout on attention probabilities."""
     cross_entropy_fusion: bool = False
     """Fused cross-entropy on GPU: Transformer Engine's kernel with the TE spec, megatron-core's
@@ -84,14 +139,16 @@ class ModelConfig:
     """Activation recomputation, memory for compute: ``selective`` recomputes the submodules in
     model.recompute_modules during backward; ``full`` keeps only layer inputs and recomputes
     whole layers (model.recompute_method and model.recompute_num_layers say which)."""
-    recompute_modules: list[Any] = field(default_factory=lambda: ["core_attn"])
+    recompute_modules: list[Literal["core_attn", "mlp", "layernorm"]] = field(
+        default_factory=lambda: ["core_attn"]
+    )
     """For ``selective``: any of ``core_attn`` (attention), ``mlp`` (the SwiGLU MLP) and
     ``layernorm`` (both norms of the local spec; Transformer Engine fuses them into the linears)."""
     recompute_method: Literal["uniform", "block"] = "uniform"
     """For ``full``: ``uniform`` recomputes every layer, in groups of model.recompute_num_layers
     whose inputs are kept; ``block`` recomputes the first model.recompute_num_layers layers of each
     pipeline (or virtual) stage and keeps the rest's activations."""
-    recompute_num_layers: int = 1
+    recompute_num_layers: PositiveInt = 1
     """For ``full``: the group size (uniform) or the layers per stage to recompute (block), from
     1 to the layers of one (virtual) pipeline stage."""
 
@@ -115,17 +172,17 @@ class ModelConfig:
 class ParallelConfig:
     """How the model and batch are split over ranks. Data parallel size is what remains."""
 
-    tensor: int = 1
+    tensor: PositiveInt = 1
     """Tensor-parallel size (splits each layer's matmuls)."""
-    pipeline: int = 1
+    pipeline: PositiveInt = 1
     """Pipeline-parallel size (splits the layers into stages)."""
-    virtual_pipeline: int | None = None
+    virtual_pipeline: PositiveInt | None = None
     """Model chunks per pipeline stage for the interleaved schedule; None or 1 disables it."""
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence across TP ranks."""
-    context: int = 1
+    context: PositiveInt = 1
     """Context-parallel size (Transformer Engine attention only)."""
-    expert: int = 1
+    expert: PositiveInt = 1
     """Expert-parallel size; only 1 is supported by the dense Llama models here."""
 
 
@@ -135,7 +192,7 @@ class TokenizerConfig:
 
     type: Literal["sentencepiece", "huggingface"] = "sentencepiece"
     """Tokenizer library."""
-    path: str | None = None
+    path: FilePath | None = None
     """SentencePiece ``.model`` file, or a Hugging Face tokenizer directory."""
 
 
@@ -143,18 +200,18 @@ class TokenizerConfig:
 class DataConfig:
     """Training data: megatron indexed datasets read through megatron-core's GPTDataset."""
 
-    blend: list[Any] = field(default_factory=list)
+    blend: list[str | Annotated[float, Range(0)]] = field(default_factory=list)
     """Dataset prefixes (path without .bin/.idx). Either a list of prefixes (weighted by
     size) or a flat list ``[weight, prefix, weight, prefix, ...]``."""
-    split: str = "98,2,0"
+    split: Annotated[str, Check(split_parts, "train,valid,test parts such as 98,2,0 (train > 0)")] = "98,2,0"
     """Train/valid/test split of every prefix, in parts."""
-    seq_length: int = 256
+    seq_length: PositiveInt = 256
     """Tokens per training sample."""
-    cache_dir: str | None = None
+    cache_dir: FilePath | None = None
     """Where index caches are written; None puts them in ``<run_dir>/data_cache``."""
-    num_workers: int = 2
+    num_workers: NonNegativeInt = 2
     """DataLoader worker processes per rank (0 reads in the training process)."""
-    build_timeout_minutes: float = 120.0
+    build_timeout_minutes: PositiveFloat = 120.0
     """How long the other ranks wait while rank 0 builds the dataset index (the first run over a
     large blend can take far longer than the collective timeout of training)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -165,25 +222,25 @@ class DataConfig:
 class OptimizerConfig:
     """Adam with megatron's distributed optimizer and OptimizerParamScheduler."""
 
-    lr: float = 3e-4
+    lr: PositiveFloat = 3e-4
     """Peak learning rate."""
-    min_lr: float = 3e-5
+    min_lr: NonNegativeFloat = 3e-5
     """Learning rate at the end of decay."""
-    weight_decay: float = 0.1
+    weight_decay: NonNegativeFloat = 0.1
     """Decoupled weight decay (not applied to norms and biases)."""
-    adam_beta1: float = 0.9
+    adam_beta1: Probability = 0.9
     """Adam beta1."""
-    adam_beta2: float = 0.95
+    adam_beta2: Probability = 0.95
     """Adam beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: PositiveFloat = 1e-8
     """Adam epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: NonNegativeFloat = 1.0
     """Global gradient-norm clipping threshold; 0 disables clipping."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Linear warmup steps."""
     decay_style: Literal["cosine", "linear", "WSD", "constant"] = "cosine"
     """Learning-rate decay after warmup."""
-    wsd_decay_steps: int | None = None
+    wsd_decay_steps: PositiveInt | None = None
     """For WSD: steps of the final decay phase (defaults to 10% of training)."""
     distributed: bool = True
     """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer)."""
@@ -195,7 +252,7 @@ class DDPConfig:
 
     grad_reduce_in_fp32: bool = True
     """Accumulate and reduce gradients in fp32 even when training in bf16."""
-    bucket_size: int | None = None
+    bucket_size: PositiveInt | None = None
     """Gradient bucket size in elements; None lets megatron choose."""
     overlap_grad_reduce: bool = False
     """Overlap gradient reduce-scatter with the backward pass."""
@@ -207,22 +264,22 @@ class DDPConfig:
 class TrainConfig:
     """The training loop."""
 
-    steps: int = 100
+    steps: PositiveInt = 100
     """Optimizer steps to train."""
-    micro_batch_size: int = 1
+    micro_batch_size: PositiveInt = 1
     """Sequences per microbatch per data-parallel rank."""
-    global_batch_size: int = 8
+    global_batch_size: PositiveInt = 8
     """Sequences per optimizer step over all data-parallel ranks (gradient accumulation
     makes up the difference)."""
-    seed: int = 1234
+    seed: Annotated[int, Range(0, 2**32 - 1)] = 1234
     """Seed for weight init, data order and dropout."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """Compute precision; ``auto`` is bf16 on GPU and fp32 on CPU."""
-    eval_interval: int = 50
+    eval_interval: NonNegativeInt = 50
     """Run validation every this many steps (and at the end); 0 disables it."""
-    eval_steps: int = 4
+    eval_steps: PositiveInt = 4
     """Global batches per validation run."""
-    exit_after_minutes: float = 0.0
+    exit_after_minutes: NonNegativeFloat = 0.0
     """Wall-clock budget: once exceeded, save a checkpoint and exit with code 3 (resume later);
     0 disables it."""
 
@@ -231,32 +288,32 @@ class TrainConfig:
 class CheckpointConfig:
     """Distributed checkpoints (megatron-core dist_checkpointing, torch_dist format) and resume."""
 
-    save_dir: str | None = None
+    save_dir: FilePath | None = None
     """Where ``iter_NNNNNNN/`` checkpoints and the ``latest`` tracker go; None means
     ``<logging.run_dir>/checkpoints``."""
-    load: str = "auto"
+    load: FilePath = "auto"
     """``auto``: resume from the newest complete checkpoint in save_dir, or start fresh and say
     so. ``none``: always start fresh. Anything else is a path (a save dir or one ``iter_*``
     checkpoint) that must exist and be complete, or the run stops with an error."""
     finetune: bool = False
     """Load only the model weights from ``load``; optimizer, LR schedule, step and data
     position start fresh."""
-    init_from: str | None = None
+    init_from: FilePath | None = None
     """Weights to start from while save_dir holds no checkpoint yet (``load=auto``): a
     megatron-train checkpoint (an imported one, say) or a Hugging Face model directory, whose
     config.json then sets the model architecture. Optimizer and step start fresh; once this run
     has saved, restarts resume from save_dir as usual."""
-    interval: int = 0
+    interval: NonNegativeInt = 0
     """Save every this many steps; 0 disables step-based saves."""
-    interval_minutes: float = 0.0
+    interval_minutes: NonNegativeFloat = 0.0
     """Save when this many minutes have passed since the last save; 0 disables it."""
     save_at_end: bool = True
     """Save after the last step."""
     async_save: bool = True
     """Write files in a background process while training continues (one save in flight)."""
-    keep_last: int = 2
+    keep_last: NonNegativeInt = 2
     """Keep this many newest complete checkpoints; 0 keeps all."""
-    keep_every: int = 0
+    keep_every: NonNegativeInt = 0
     """Also keep every checkpoint whose step is a multiple of this, forever; 0 disables it."""
     checksums: bool = True
     """Record a SHA-256 of every file in the completion record (computed in the background)."""
@@ -268,13 +325,13 @@ class CheckpointConfig:
 class LoggingConfig:
     """Run directory, console log, metrics.jsonl and wandb."""
 
-    run_dir: str = "runs/default"
+    run_dir: FilePath = "runs/default"
     """Directory for the resolved config, metrics.jsonl and data caches."""
-    log_interval: int = 10
+    log_interval: PositiveInt = 10
     """Print one line and write one metrics record every this many steps."""
     wandb: bool = False
     """Log to Weights & Biases."""
-    wandb_project: str = "megatron-train"
+    wandb_project: Annotated[str, Check(bool, "a non-empty name")] = "megatron-train"
     """wandb project name."""
     wandb_mode: Literal["online", "offline"] = "offline"
     """``offline`` writes to ``<run_dir>/wandb`` without network; sync later with wandb sync."""
@@ -302,13 +359,28 @@ class ExperimentConfig:
     """Outputs."""
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
 def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    return _TYPE_NAMES.get(tp) or getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against annotation ``tp``; ints are accepted where floats are expected."""
+    """``value`` checked against annotation ``tp`` (type, then declared range or check); ints are
+    accepted where floats are expected. Every field of the schema is checked here and only here."""
     origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *declarations = typing.get_args(tp)
+        value = _coerce(value, base, key)
+        for rule in declarations:
+            if isinstance(rule, Range) and not rule.allows(value):
+                raise ConfigError(
+                    key, f"{value!r} is out of range", f"set {key} to a value {rule.describe()}"
+                )
+            if isinstance(rule, Check) and not rule.accepts(value):
+                raise ConfigError(key, f"{value!r} is not valid", f"set {key} to {rule.describe}")
+        return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None and type(None) in options:
@@ -321,6 +393,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, option, key)
             except ConfigError as err:
                 errors.append(err)
+        # An option of the value's own type that refused it says more than a type mismatch.
+        errors.sort(key=lambda err: err.problem.startswith("expected"))
         raise errors[0]
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -330,24 +404,47 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(key, f"expected a list, got {value!r}", "write a YAML list")
-        return value
+        (item,) = typing.get_args(tp)
+        return [_coerce(x, item, key) for x in value]
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key + ".")
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):
-        # YAML 1.1 reads exponent forms without a dot (``3e-4``) as strings.
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp is Any or (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+    if tp is float:
+        return _finite(value, key)
+    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     raise ConfigError(
         key,
         f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}",
-        f"set {key} to a {_type_name(tp)}",
+        f"set {key} to {_type_name(tp)}",
     )
+
+
+def _finite(value: Any, key: str) -> float:
+    if isinstance(value, str):
+        # YAML 1.1 reads exponent forms without a dot (``3e-4``) as strings.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            key, f"expected a number, got {type(value).__name__} {value!r}", f"set {key} to a number"
+        )
+    if not math.isfinite(value):
+        raise ConfigError(key, f"{value!r} is not a finite number", f"set {key} to a finite number")
+    return float(value)
+
+
+def check_fields(cfg: Any, prefix: str = "") -> None:
+    """Check every field of a config built in code (not through :func:`from_dict`) against the
+    schema's declarations."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_fields(value, f"{prefix}{f.name}.")
+        else:
+            _coerce(value, hints[f.name], prefix + f.name)
 
 
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
@@ -355,7 +452,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     key = prefix.rstrip(".") or "<top level>"
     if not isinstance(data, dict):
         raise ConfigError(key, f"expected a mapping, got {data!r}", "write key: value pairs")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for name, value in data.items():
@@ -383,13 +480,29 @@ def read_yaml(path: str | Path) -> dict:
     """A YAML config file as plain data."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("--config", f"file {str(path)!r} does not exist", "pass an existing YAML file")
+        problem = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError("--config", f"{str(path)!r} {problem}", "pass an existing YAML file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError("--config", f"{path} is not valid YAML ({err})", "fix the YAML syntax") from err
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(
+            "--config", f"{path} is not valid YAML{where}: {problem}", "fix the YAML syntax"
+        ) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            "--config", f"{path} cannot be read as text ({err})", "pass a readable YAML file"
+        ) from err
+    if raw is None:
+        return {}
     if not isinstance(raw, dict):
-        raise ConfigError("--config", f"{path} is not a mapping of sections", "write section: {key: value}")
+        raise ConfigError(
+            "--config",
+            f"{path} holds a {type(raw).__name__}, not a mapping of sections",
+            "write section: {key: value}",
+        )
     return raw
 
 
@@ -423,36 +536,10 @@ def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:
     return world_size // (cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context)
 
 
-def _require_at_least(minimum: float, key: str, value: float, allowed: str) -> None:
-    if value < minimum:
-        raise ConfigError(key, f"must be >= {minimum}, got {value}", f"set {key} to {allowed}")
-
-
-def validate(cfg: ExperimentConfig, world_size: int) -> None:
-    """Reject impossible layouts, inconsistent options and missing inputs before any heavy work."""
-    validate_options(cfg, world_size)
-    validate_inputs(cfg)
-
-
 def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
     """Reject impossible layouts and inconsistent options (no files are looked at)."""
+    check_fields(cfg)
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
-    for key, value in [
-        ("parallel.tensor", p.tensor),
-        ("parallel.pipeline", p.pipeline),
-        ("parallel.context", p.context),
-        ("parallel.expert", p.expert),
-        ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size),
-        ("model.num_attention_heads", m.num_attention_heads),
-        ("train.micro_batch_size", t.micro_batch_size),
-        ("train.global_batch_size", t.global_batch_size),
-        ("train.steps", t.steps),
-        ("data.seq_length", d.seq_length),
-        ("data.build_timeout_minutes", d.build_timeout_minutes),
-        ("logging.log_interval", t.steps and cfg.logging.log_interval),
-    ]:
-        _require_at_least(1, key, value, "a positive integer")
     model_parallel = p.tensor * p.pipeline * p.context
     if world_size % model_parallel:
         raise ConfigError(
@@ -489,8 +576,6 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "make hidden_size a multiple of num_attention_heads or set model.kv_channels",
         )
     vpp = p.virtual_pipeline or 1
-    if p.virtual_pipeline is not None and p.virtual_pipeline < 1:
-        raise ConfigError("parallel.virtual_pipeline", "must be >= 1", "set it to null or >= 1")
     if vpp > 1 and p.pipeline < 3:
         # With two stages a rank's previous and next stage are the same peer, and megatron's
         # batched p2p then matches same-shaped activations and gradients by posting order:
@@ -564,14 +649,6 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "use fewer warmup steps than train.steps",
         )
     c = cfg.checkpoint
-    for key, value in [
-        ("checkpoint.interval", c.interval),
-        ("checkpoint.interval_minutes", c.interval_minutes),
-        ("checkpoint.keep_last", c.keep_last),
-        ("checkpoint.keep_every", c.keep_every),
-        ("train.exit_after_minutes", t.exit_after_minutes),
-    ]:
-        _require_at_least(0, key, value, "0 (off) or a positive value")
     if c.init_from and c.load != "auto":
         raise ConfigError(
             "checkpoint.init_from",
@@ -609,40 +686,11 @@ def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
         )
 
 
-def validate_inputs(cfg: ExperimentConfig) -> None:
-    """The training data and tokenizer the config names exist."""
-    d = cfg.data
-    if cfg.checkpoint.init_from and not Path(cfg.checkpoint.init_from).exists():
-        raise ConfigError(
-            "checkpoint.init_from",
-            f"{cfg.checkpoint.init_from!r} does not exist",
-            "point it at a checkpoint or a Hugging Face model directory",
-        )
-    if not d.blend:
-        raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
-    if d.tokenizer.path is None:
-        raise ConfigError("data.tokenizer.path", "no tokenizer given", "set the tokenizer path")
-    if not Path(d.tokenizer.path).exists():
-        raise ConfigError(
-            "data.tokenizer.path",
-            f"{d.tokenizer.path!r} does not exist",
-            "train one with tools/train_tokenizer.py or point to an existing tokenizer",
-        )
-    for prefix in blend_prefixes(d.blend):
-        for suffix in (".bin", ".idx"):
-            if not Path(prefix + suffix).is_file():
-                raise ConfigError(
-                    "data.blend",
-                    f"{prefix + suffix} does not exist",
-                    "preprocess the data with tools/preprocess_data.py or fix the prefix",
-                )
-
-
 def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
     """``[w1, p1, w2, p2]`` or ``[p1, p2]`` -> (prefixes, weights or None)."""
     if all(isinstance(item, str) for item in blend):
-        return list(blend), None
-    if len(blend) % 2 or not all(
+        prefixes, weights = list(blend), None
+    elif len(blend) % 2 or not all(
         isinstance(w, (int, float)) and isinstance(p, str) for w, p in zip(blend[::2], blend[1::2])
     ):
         raise ConfigError(
@@ -650,7 +698,15 @@ def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
             f"{blend!r} is neither a list of prefixes nor [weight, prefix, ...] pairs",
             "write [prefix, ...] or [0.7, prefix_a, 0.3, prefix_b]",
         )
-    return list(blend[1::2]), [float(w) for w in blend[::2]]
+    else:
+        prefixes, weights = list(blend[1::2]), [float(w) for w in blend[::2]]
+    if weights is not None and not sum(weights) > 0:
+        raise ConfigError(
+            "data.blend", f"the weights {weights} are all 0", "give some prefix a positive weight"
+        )
+    if not all(p.strip() for p in prefixes):
+        raise ConfigError("data.blend", "an empty prefix", "write each dataset's path without .bin/.idx")
+    return prefixes, weights
 
 
 def blend_prefixes(blend: list[Any]) -> list[str]:

@@ -16,20 +16,18 @@ from megatron_train.config import (
     apply_overrides,
     from_dict,
     read_yaml,
-    validate,
     validate_options,
 )
 from megatron_train.errors import ConfigError, ConversionError
 from megatron_train.hf.model_dir import is_hf_model_dir, read_hf_config
+from megatron_train.inputs import check_inputs
 from megatron_train.models import registry
-from megatron_train.tokenizer import load_tokenizer
 
 
 def resolve(path: str | Path, overrides: Sequence[str], world_size: int) -> ExperimentConfig:
     """The complete, validated config a job of ``world_size`` ranks trains with."""
     cfg = load_config(path, overrides)
-    validate(cfg, world_size)
-    vocab = load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path).vocab_size
+    vocab = validate(cfg, world_size)
     if cfg.model.vocab_size is None:
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     if cfg.model.vocab_size < vocab:
@@ -39,6 +37,12 @@ def resolve(path: str | Path, overrides: Sequence[str], world_size: int) -> Expe
             "remove model.vocab_size to take it from the tokenizer",
         )
     return cfg
+
+
+def validate(cfg: ExperimentConfig, world_size: int) -> int:
+    """Options, then the files they name; returns the tokenizer's vocabulary size."""
+    validate_options(cfg, world_size)
+    return check_inputs(cfg)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:

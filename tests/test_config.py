@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_train.config import ConfigError, validate
-from megatron_train.resolve import load_config
+from megatron_train.config import ConfigError
+from megatron_train.resolve import load_config, validate
 from megatron_train.train import main
 from tests.conftest import ROOT, run_tool, write_config
 

@@ -1,0 +1,135 @@
+"""The files a config names, checked before any of them is used: indexed datasets (header,
+version, dtype and sizes against the ``.bin``), the tokenizer (loadable as its stated type, and
+its vocabulary fits the data) and the output directories (creatable). Each problem is a
+ConfigError naming the key; nothing is written."""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import DType
+from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
+
+from megatron_train import megatron_compat
+from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir
+from megatron_train.errors import ConfigError
+from megatron_train.tokenizer import load_tokenizer
+
+# magic (9 bytes), version (u64), dtype code (u8), sequence count (u64), document count (u64)
+_HEADER = struct.Struct("<9sQBQQ")
+_REPREPROCESS = "preprocess the data again with tools/preprocess_data.py or fix the prefix"
+
+
+def check_indexed_dataset(prefix: str) -> np.dtype:
+    """The token dtype of the indexed dataset at ``prefix`` once its ``.idx`` header and its
+    sizes agree with each other and with the ``.bin`` (reading a few bytes, whatever the size)."""
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    for path in (bin_, idx):
+        if not path.is_file():
+            raise ConfigError("data.blend", f"{path} does not exist", _REPREPROCESS)
+    with open(idx, "rb") as f:
+        head = f.read(_HEADER.size)
+    if len(head) < _HEADER.size or not head.startswith(megatron_compat.INDEX_HEADER):
+        raise ConfigError("data.blend", f"{idx} is not a megatron index (no MMIDIDX header)", _REPREPROCESS)
+    _, version, code, sequences, documents = _HEADER.unpack(head)
+    if version != 1:
+        raise ConfigError(
+            "data.blend", f"{idx} has index version {version}; megatron reads version 1", _REPREPROCESS
+        )
+    try:
+        dtype = np.dtype(DType.dtype_from_code(code))
+    except ValueError:
+        raise ConfigError(
+            "data.blend", f"{idx} names unknown token dtype code {code}", _REPREPROCESS
+        ) from None
+    size, expected = idx.stat().st_size, _HEADER.size + sequences * 12 + documents * 8
+    if size != expected or sequences == 0:
+        raise ConfigError(
+            "data.blend",
+            f"{idx} has {size} bytes where its header ({sequences} sequences, {documents} documents) "
+            f"implies {expected}: truncated, empty or damaged",
+            _REPREPROCESS,
+        )
+    lengths = np.memmap(idx, np.int32, "r", offset=_HEADER.size, shape=(sequences,))
+    pointers = np.memmap(idx, np.int64, "r", offset=_HEADER.size + 4 * sequences, shape=(sequences,))
+    indexed = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize
+    if bin_.stat().st_size != indexed:
+        raise ConfigError(
+            "data.blend",
+            f"{bin_} has {bin_.stat().st_size} bytes but {idx} indexes {indexed}: truncated, or the "
+            ".bin and .idx come from different runs",
+            _REPREPROCESS,
+        )
+    return dtype
+
+
+def checked_tokenizer(kind: str, path: str | None, key: str = "data.tokenizer.path") -> MegatronTokenizerBase:
+    """The tokenizer at ``path``, loaded as ``kind``; anything that is not one is a ConfigError."""
+    if path is None:
+        raise ConfigError(key, "no tokenizer given", "set the tokenizer path")
+    if not Path(path).exists():
+        raise ConfigError(
+            key,
+            f"{path!r} does not exist",
+            "train one with tools/train_tokenizer.py or point to an existing tokenizer",
+        )
+    try:
+        tokenizer = load_tokenizer(kind, path)
+        tokenizer.vocab_size  # noqa: B018 - some loaders fail only here
+    except Exception as err:  # sentencepiece, transformers and megatron raise many kinds
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ConfigError(
+            key,
+            f"{path} does not load as a {kind} tokenizer ({reason})",
+            "point it at a tokenizer of that type, or set data.tokenizer.type to the type it is",
+        ) from err
+    return tokenizer
+
+
+def check_output_dir(key: str, path: Path) -> None:
+    """``path`` exists as a writable directory or can be created as one (nothing is created)."""
+    probe = Path(path).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            key, f"{path} cannot be a directory: {probe} is a file", "choose a path outside that file"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"{probe} is not writable", "choose a writable location")
+
+
+def check_inputs(cfg: ExperimentConfig) -> int:
+    """Every file the config names, checked; returns the tokenizer's vocabulary size."""
+    c = cfg.checkpoint
+    if c.init_from and not Path(c.init_from).exists():
+        raise ConfigError(
+            "checkpoint.init_from",
+            f"{c.init_from!r} does not exist",
+            "point it at a checkpoint or a Hugging Face model directory",
+        )
+    if c.init_from and not Path(c.init_from).is_dir():
+        raise ConfigError(
+            "checkpoint.init_from",
+            f"{c.init_from!r} is a file",
+            "point it at a checkpoint directory or a Hugging Face model directory",
+        )
+    if not cfg.data.blend:
+        raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
+    dtypes = {prefix: check_indexed_dataset(prefix) for prefix in blend_prefixes(cfg.data.blend)}
+    vocab = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path).vocab_size
+    for prefix, dtype in dtypes.items():
+        if np.issubdtype(dtype, np.integer) and vocab - 1 > np.iinfo(dtype).max:
+            raise ConfigError(
+                "data.blend",
+                f"{prefix} stores tokens as {dtype}, too small for the tokenizer's {vocab} tokens: it was "
+                "tokenized with another tokenizer",
+                "preprocess it with this tokenizer, or set data.tokenizer to the one it was made with",
+            )
+    check_output_dir("logging.run_dir", Path(cfg.logging.run_dir))
+    check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))
+    check_output_dir("data.cache_dir", Path(cfg.data.cache_dir or Path(cfg.logging.run_dir) / "data_cache"))
+    return vocab
