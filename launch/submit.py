@@ -11,35 +11,53 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_train import cli
+
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = ROOT / "launch" / "slurm" / "pretrain.sbatch"
 
 
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
+_SLURM_TIME = re.compile(r"(\d+-\d+(:\d+){0,2}|\d+(:\d+){0,2}|UNLIMITED|infinite)")
+
+
+def slurm_time(text: str) -> str:
+    if not _SLURM_TIME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm time such as 24:00:00 or 2-00:00:00")
+    return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="experiment YAML")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (one per GPU)")
+    parser.add_argument("--nodes", type=cli.positive_int, default=1)
+    parser.add_argument(
+        "--gpus-per-node", type=cli.positive_int, default=8, help="ranks per node (one per GPU)"
+    )
     parser.add_argument("--cpu", action="store_true", help="CPU-only nodes: no --gpus-per-node request")
-    parser.add_argument("--time", default="24:00:00", help="time limit (sbatch --time)")
+    parser.add_argument("--time", type=slurm_time, default="24:00:00", help="time limit (sbatch --time)")
     parser.add_argument("--partition")
     parser.add_argument("--account")
     parser.add_argument("--job-name", default="megatron-train")
-    parser.add_argument("--signal-seconds", type=int, default=300,
+    parser.add_argument("--signal-seconds", type=cli.positive_int, default=300,
                         help="send SIGUSR1 this long before the time limit (save, then requeue)")  # fmt: skip
-    parser.add_argument("--max-requeues", type=int, default=20)
+    parser.add_argument("--max-requeues", type=cli.non_negative_int, default=20)
     parser.add_argument("--container-image", help="pyxis/enroot image (e.g. a .sqsh from enroot import)")
     parser.add_argument("--container-mounts", help="extra pyxis mounts, src:dst[,src:dst]")
     parser.add_argument("--log-dir", default="logs", help="per-job directory with per-rank logs goes here")
     parser.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
     parser.add_argument("--skip-preflight", action="store_true")
     parser.add_argument(
-        "--gpu-memory-gib", default="80", help="preflight refuses layouts estimated above this"
+        "--gpu-memory-gib",
+        type=cli.positive_float,
+        default=80.0,
+        help="preflight refuses layouts estimated above this",
     )
     parser.add_argument("--allow-over-memory", action="store_true", help="submit above --gpu-memory-gib")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch command, do not submit")
@@ -84,14 +102,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_preflight:
         preflight = [sys.executable, "-m", "megatron_train.preflight", "--config", args.config,
                      "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
-                     "--gpu-memory-gib", args.gpu_memory_gib]  # fmt: skip
+                     "--gpu-memory-gib", str(args.gpu_memory_gib)]  # fmt: skip
         if args.allow_over_memory:
             preflight.append("--allow-over-memory")
         preflight += args.overrides
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        if subprocess.call(preflight, cwd=ROOT, env=env) != 0:
-            print("not submitted: fix the preflight error above", file=sys.stderr)
-            return 2
+        checked = subprocess.run(preflight, env=env, stderr=subprocess.PIPE, text=True)
+        if checked.returncode != 0:
+            errors = [line for line in checked.stderr.splitlines() if line.startswith("error: ")]
+            why = (
+                errors[-1].removeprefix("error: ")
+                if errors
+                else checked.stderr.strip() or "the preflight failed"
+            )
+            cli.report(f"{why} Nothing was submitted.")
+            return cli.EXIT_BAD_INPUT
+        sys.stderr.write(checked.stderr)
     cmd = sbatch_command(args)
     if args.dry_run:
         print(shlex.join(cmd))

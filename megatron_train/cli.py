@@ -1,9 +1,13 @@
-"""What every command-line tool does around its work: bad input -> one line and exit 2."""
+"""What every entry point does with bad input: one ``error: ...`` line on stderr, exit code 2, no
+traceback. Argument parsing, argument ranges and the reporting of bad-input errors live here."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from megatron_train import runtime
 from megatron_train.errors import BAD_INPUT
@@ -11,13 +15,50 @@ from megatron_train.errors import BAD_INPUT
 EXIT_BAD_INPUT = 2
 
 
+def report(err: BaseException | str) -> None:
+    """Print a bad-input error as one line, whatever newlines its text holds."""
+    print("error: " + " ".join(str(err).split()), file=sys.stderr, flush=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported as one line (not the usage text) and exit code 2."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        report(f"{message}. Fix: see {self.prog} --help")
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _number(kind: type, check: Callable[[float], bool], wanted: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}") from None
+        if not (math.isfinite(value) and check(value)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}")
+        return value
+
+    parse.__name__ = wanted
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _number(float, lambda v: v > 0, "a number > 0")
+probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+
+
 def run(body: Callable[[], None]) -> int:
-    """Run ``body``; a bad-input error becomes ``error: ...`` on stderr and exit code 2. Any process
-    group ``body`` started is torn down on every path."""
+    """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2. Any
+    process group ``body`` started is torn down on every path."""
     try:
         body()
     except BAD_INPUT as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         return EXIT_BAD_INPUT
     finally:
         runtime.shutdown()

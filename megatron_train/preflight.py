@@ -4,32 +4,18 @@ that fit). Runs on a login node (no GPU, no torch.distributed).
 
     python -m megatron_train.preflight --config X.yaml --nodes 4 --gpus-per-node 8 [key=value ...]
 
-Exit codes: 0 ready, 2 a problem (one line naming it and the fix).
+Exit codes: 0 ready, 2 a problem (one ``error:`` line naming it and the fix). Nothing is written.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 
+from megatron_train import cli
 from megatron_train.config import ExperimentConfig, checkpoint_dir, data_parallel_size
 from megatron_train.errors import BAD_INPUT, ConfigError
 from megatron_train.memory import MemoryEstimate, estimate, fitting_layouts
 from megatron_train.resolve import resolve
-
-
-def check_save_dir(cfg: ExperimentConfig) -> None:
-    """The save dir exists or can be created, and is writable."""
-    path = checkpoint_dir(cfg)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight"):
-            pass
-    except OSError as err:
-        raise ConfigError(
-            "checkpoint.save_dir", f"{path} is not writable ({err.strerror})", "use a writable path"
-        ) from err
 
 
 def check_resume(cfg: ExperimentConfig) -> str:
@@ -89,7 +75,6 @@ def run(
 ) -> list[str]:
     """All checks; returns the report lines, or raises a bad-input error."""
     cfg = resolve(config, overrides, world_size)
-    check_save_dir(cfg)
     resume = check_resume(cfg)
     mem = estimate(cfg, world_size) if allow_over_memory else check_memory(cfg, world_size, gpu_memory_gib)
     gib = 2**30
@@ -100,7 +85,7 @@ def run(
         f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step",
         f"data: {len(cfg.data.blend)} blend entries found; the tokenizer fits "
         f"model.vocab_size={cfg.model.vocab_size}",
-        f"checkpoints: {checkpoint_dir(cfg)} is writable; the job {resume}",
+        f"checkpoints: {checkpoint_dir(cfg)} can be written; the job {resume}",
         f"memory per GPU (estimate, {mem.stage} stage): weights {mem.weights / gib:.1f} GiB + grads "
         f"{mem.grads / gib:.1f} + optimizer {mem.optimizer / gib:.1f} + activations "
         f"{mem.activations / gib:.1f} = {mem.total / gib:.1f} GiB of {gpu_memory_gib:g}",
@@ -108,11 +93,13 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True)
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="the GPU's memory (H100: 80)")
+    parser.add_argument("--nodes", type=cli.positive_int, default=1)
+    parser.add_argument("--gpus-per-node", type=cli.positive_int, default=8)
+    parser.add_argument(
+        "--gpu-memory-gib", type=cli.positive_float, default=80.0, help="the GPU's memory (H100: 80)"
+    )
     parser.add_argument(
         "--allow-over-memory", action="store_true", help="report, do not refuse, an estimate above it"
     )
@@ -127,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             args.allow_over_memory,
         )
     except BAD_INPUT as err:
-        print(f"preflight error: {err}", file=sys.stderr)
-        return 2
+        cli.report(err)
+        return cli.EXIT_BAD_INPUT
     for line in lines:
         print(f"preflight: {line}")
     return 0

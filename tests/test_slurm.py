@@ -193,7 +193,8 @@ def test_submit_refuses_a_bad_config_without_queueing(slurm, corpus, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
     result = submit(slurm, config, tmp_path / "logs", "model.num_attention_heads=3")
     assert result.returncode == 2
-    assert "model.num_attention_heads" in result.stderr and "not submitted" in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    assert "model.num_attention_heads" in result.stderr and "Nothing was submitted" in result.stderr
     assert _run("squeue", "-h", "-n", "megatron-train", "-t", "PD,R", env=slurm).stdout.strip() == ""
 
 

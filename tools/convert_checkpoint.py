@@ -22,21 +22,25 @@ from megatron_train.config import ExperimentConfig
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.ArgumentParser(description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import-hf", help="Hugging Face directory -> checkpoint")
     imp.add_argument("--hf", type=Path, required=True, help="Hugging Face model directory")
     imp.add_argument("--out", type=Path, required=True, help="new checkpoint save dir")
-    imp.add_argument("--tp", type=int, default=1, help="tensor-parallel size to check and record")
-    imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to check and record")
-    imp.add_argument("--vocab-pad-multiple", type=int, default=128, help="pad the vocabulary to this")
+    imp.add_argument(
+        "--tp", type=cli.positive_int, default=1, help="tensor-parallel size to check and record"
+    )
+    imp.add_argument(
+        "--pp", type=cli.positive_int, default=1, help="pipeline-parallel size to check and record"
+    )
+    imp.add_argument(
+        "--vocab-pad-multiple", type=cli.positive_int, default=128, help="pad the vocabulary to this"
+    )
     exp = commands.add_parser("export-hf", help="checkpoint -> Hugging Face directory")
     exp.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir or save dir)")
     exp.add_argument("--out", type=Path, required=True, help="new Hugging Face model directory")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
-    exp.add_argument("--max-shard-gib", type=float, default=5.0, help="largest safetensors file")
+    exp.add_argument("--max-shard-gib", type=cli.positive_float, default=5.0, help="largest safetensors file")
     exp.add_argument("--tokenizer", type=Path, help="the run's tokenizer, if it moved since training")
     args = parser.parse_args(argv)
     return cli.run(lambda: convert(args))

@@ -33,19 +33,32 @@ def next_token(logits: torch.Tensor, top_p: float | None, temperature: float, ge
     return int(order[choice])
 
 
+def prompt_ids(text: str, vocab_size: int) -> list[int]:
+    """``--prompt-ids``: comma-separated token ids, each inside the model's vocabulary."""
+    try:
+        ids = [int(i) for i in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            "--prompt-ids", f"{text!r} is not a list of integers", "write ids like 1,42,7"
+        ) from None
+    if not all(0 <= i < vocab_size for i in ids):
+        raise ConfigError(
+            "--prompt-ids", f"{text!r} has ids outside the vocabulary", f"use ids from 0 to {vocab_size - 1}"
+        )
+    return ids
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir or save dir)")
     parser.add_argument("--prompt", default="", help="text to continue")
     parser.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--top-p", type=float, help="nucleus sampling threshold (default: greedy)")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--max-new-tokens", type=cli.positive_int, default=32)
+    parser.add_argument("--top-p", type=cli.probability, help="nucleus sampling threshold (default: greedy)")
+    parser.add_argument("--temperature", type=cli.positive_float, default=1.0)
+    parser.add_argument("--seed", type=cli.non_negative_int, default=0)
+    parser.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline-parallel size")
     parser.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint config's)")
     args = parser.parse_args(argv)
 
@@ -54,21 +67,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(args: argparse.Namespace) -> None:
     from megatron_train import inference, runtime
-    from megatron_train.tokenizer import load_tokenizer
+    from megatron_train.inputs import checked_tokenizer
 
     path, cfg = inference.checkpoint_config(args.ckpt, args.tp, args.pp)
     tokenizer = None
-    if not args.prompt_ids:
-        tok_path = args.tokenizer or cfg.data.tokenizer.path
-        if not tok_path or not Path(tok_path).exists():
-            raise ConfigError("--tokenizer", f"{tok_path!r} does not exist", "pass the tokenizer's path")
-        tokenizer = load_tokenizer(cfg.data.tokenizer.type, tok_path)
-    rt = runtime.initialize(cfg, runtime.launch_env())
-    model = inference.load_for_inference(path, cfg, rt)
     if args.prompt_ids:
-        ids = [int(i) for i in args.prompt_ids.split(",")]
+        ids = prompt_ids(args.prompt_ids, cfg.model.vocab_size)
     else:
+        tok_path = args.tokenizer or cfg.data.tokenizer.path
+        tokenizer = checked_tokenizer(cfg.data.tokenizer.type, tok_path, key="--tokenizer")
         ids = list(tokenizer.tokenize(args.prompt)) or [tokenizer.bos if tokenizer.bos is not None else 0]
+    env = runtime.launch_env()
+    if args.tp * args.pp != env.world_size:
+        raise ConfigError(
+            "--tp",
+            f"--tp x --pp = {args.tp} x {args.pp} does not fill the {env.world_size} launched rank(s)",
+            "launch tp x pp ranks (torchrun --nproc-per-node) or change --tp / --pp",
+        )
+    rt = runtime.initialize(cfg, env)
+    model = inference.load_for_inference(path, cfg, rt)
     gen = torch.Generator().manual_seed(args.seed)
     prompt_len = len(ids)
     for _ in range(args.max_new_tokens):

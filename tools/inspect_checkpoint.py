@@ -9,11 +9,11 @@ Nothing is unpickled beyond plain data and checkpoint metadata (see checkpoint/s
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
+from megatron_train import cli
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
 
@@ -52,7 +52,7 @@ def _describe_tensors(path: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("path", type=Path, help="a checkpoint (iter_*) or a save dir (newest is shown)")
     parser.add_argument("--verify-checksums", action="store_true", help="recompute every file's SHA-256")
     parser.add_argument("--no-tensors", action="store_true", help="skip the tensor listing")
@@ -60,22 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = files.locate(args.path)
     except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        cli.report(err)
+        return cli.EXIT_BAD_INPUT
     print(f"checkpoint:  {path.resolve()}")
     try:
         record = files.verify(path, checksums=args.verify_checksums)
+        description = _describe_common(path) + ([] if args.no_tensors else _describe_tensors(path))
     except CheckpointError as err:
         print(f"status:      INCOMPLETE OR CORRUPTED: {err}")
         return 1
     size = files.total_size(record)
     checked = "sizes and SHA-256 verified" if args.verify_checksums else "sizes verified"
     print(f"status:      complete ({len(record['files'])} files, {size / 2**20:.1f} MiB; {checked})")
-    for line in _describe_common(path):
+    for line in description:
         print(line)
-    if not args.no_tensors:
-        for line in _describe_tensors(path):
-            print(line)
     return 0
 
 

@@ -36,8 +36,10 @@ from megatron_train.hf.model_dir import hf_dtype, read_hf_config
 from megatron_train.hf.plan import export_plan, hf_shapes
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
 from megatron_train.init import fill_weights
+from megatron_train.inputs import check_output_dir
 from megatron_train.models.family import Family
 from megatron_train.models.registry import family_of
+from megatron_train.outputs import made_dir
 from megatron_train.resolve import imported_config
 
 SIDE_DIR = "hf"
@@ -50,15 +52,16 @@ def _staging(out: Path) -> Iterator[Path]:
     out = Path(out)
     if out.exists():
         raise ConversionError(f"{out} already exists; choose another output directory or remove it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        os.replace(tmp, out)
-    finally:
+    check_output_dir("--out", out.parent)
+    with made_dir(out.parent):
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            yield tmp
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _side_files(hf_dir: Path) -> list[Path]:

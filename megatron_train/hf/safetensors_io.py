@@ -22,6 +22,25 @@ INDEX = "model.safetensors.index.json"
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
+def _open_shard(path: Path):
+    try:
+        return safe_open(path, "pt")
+    except Exception as err:  # safetensors raises its own error type, or OSError
+        raise ConversionError(
+            f"{path} is not a readable safetensors file ({' '.join(str(err).split())}); download it again"
+        ) from err
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConversionError(f"{path} is not a safetensors index with a weight_map ({err})") from err
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ConversionError(f"{path}: weight_map is not a mapping of tensor names to shard files")
+    return weight_map
+
+
 class HFWeights:
     """The tensors of a Hugging Face model directory, found through its shard index."""
 
@@ -29,7 +48,7 @@ class HFWeights:
         self.dir = Path(hf_dir)
         index = self.dir / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_index(index)
         else:
             shards = sorted(self.dir.glob("*.safetensors"))
             if len(shards) != 1:
@@ -37,7 +56,7 @@ class HFWeights:
                     f"{self.dir} has {len(shards)} .safetensors files and no {INDEX}; "
                     "expected model.safetensors or an index naming the shards"
                 )
-            with safe_open(shards[0], "pt") as f:
+            with _open_shard(shards[0]) as f:
                 weight_map = {name: shards[0].name for name in f.keys()}
         missing = sorted({s for s in weight_map.values() if not (self.dir / s).is_file()})
         if missing:
@@ -49,7 +68,7 @@ class HFWeights:
         # One shard stays mapped at a time: its touched pages count towards RSS until unmapped.
         if shard not in self._open:
             self._open.clear()
-            self._open[shard] = safe_open(self.dir / shard, "pt")
+            self._open[shard] = _open_shard(self.dir / shard)
         return self._open[shard]
 
     def _file_with(self, name: str):
