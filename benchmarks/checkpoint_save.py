@@ -51,6 +51,7 @@ def worker(args) -> None:
             cfg.checkpoint, async_save=async_save, keep_last=1, save_dir=str(Path(args.scratch) / "ckpt")
         )
         checkpointer = Checkpointer(dataclasses.replace(cfg, checkpoint=options), rt.is_main, lambda _: None)
+        checkpointer.start_writer()
         blocking, total = [], []
         for repeat in range(args.repeats + 1):
             torch.distributed.barrier()

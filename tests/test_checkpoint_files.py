@@ -73,6 +73,17 @@ def test_auto_resume_skips_a_torn_latest(tmp_path):
     assert files.find_latest_complete(tmp_path / "missing").path is None
 
 
+@pytest.mark.parametrize("tracker", ["garbage\n", "99\n", "", "-1"])
+def test_a_malformed_or_stale_tracker_is_never_trusted(tmp_path, tracker):
+    """Resume scans the iter_* directories and verifies each record; the tracker (kept for tools
+    that expect Megatron-LM's layout) decides nothing, so a damaged one cannot mislead a resume."""
+    make_checkpoint(tmp_path, 10)
+    make_checkpoint(tmp_path, 20, complete=False)
+    (tmp_path / files.TRACKER).write_text(tracker)
+    decision = files.resolve_load("auto", tmp_path)
+    assert decision.path == files.iteration_dir(tmp_path, 10)
+
+
 def test_explicit_paths_must_be_complete(tmp_path):
     good = make_checkpoint(tmp_path, 10)
     assert files.resolve_explicit(good) == good

@@ -89,9 +89,17 @@ def read_record(ckpt_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {RECORD}: the save did not finish (torn checkpoint)")
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is unreadable ({err})") from err
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err}): the checkpoint is torn or corrupt") from err
+    entries = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(entries, dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("size"), int) for e in entries.values()
+    ):
+        raise CheckpointError(
+            f"{path} is malformed (no mapping of files to sizes): the checkpoint is torn or corrupt"
+        )
+    return record
 
 
 def verify(ckpt_dir: Path, checksums: bool = False) -> dict:

@@ -71,8 +71,8 @@ def _start_results_manager() -> None:
 
     megatron starts it lazily on the first save, with default signal handling, so the SIGTERM or
     SIGINT that asks us to save-and-stop (torchrun and Ctrl-C signal the whole process group)
-    kills it and the save fails. Ours ignores those signals, and starting it here overlaps its
-    start-up (seconds: it imports torch) with model building instead of the first save.
+    kills it and the save fails. Ours ignores those signals, and starting it early overlaps its
+    start-up (seconds: it imports torch) with building the data instead of the first save.
     """
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=_serve_while_parent_lives)
@@ -110,6 +110,10 @@ class Checkpointer:
         self._recorder: threading.Thread | None = None
         self._recorder_error: BaseException | None = None
         self._warmup: threading.Thread | None = None
+
+    def start_writer(self) -> None:
+        """Start the background writer's process while the data is built (async saves only);
+        called once every check of the start has passed, so a bad start does not wait for it."""
         if self._queue is not None:
             self._warmup = threading.Thread(target=_start_results_manager, daemon=True)
             self._warmup.start()

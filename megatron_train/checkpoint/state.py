@@ -113,16 +113,42 @@ def _model_metadata() -> dict:
     return {**_OPTIMIZER_METADATA, "dp_cp_group": dp_cp_group}
 
 
+def _corrupt(what: Path, err: BaseException) -> CheckpointError:
+    reason = " ".join(str(err).split())[:300] or type(err).__name__
+    return CheckpointError(
+        f"{what} is unreadable ({reason}): the checkpoint is corrupt; resume from another one"
+    )
+
+
 def read_common(path: Path) -> dict:
-    """A checkpoint's common state (progress, layout, config, scheduler, version), loaded safely."""
-    with safe_unpickling():
-        return dist_checkpointing.load_common_state_dict(str(path))
+    """A checkpoint's common state (progress, layout, config, scheduler, version), loaded safely;
+    CheckpointError naming the file when it cannot be read or lacks what every checkpoint holds."""
+    try:
+        with safe_unpickling():
+            common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as err:  # torch.load and megatron raise many kinds on a damaged file
+        raise _corrupt(Path(path) / "common.pt", err) from err
+    config = common.get("config") if isinstance(common, dict) else None
+    if not (
+        isinstance(config, dict)
+        and all(isinstance(config.get(s), dict) for s in ("model", "data", "train"))
+        and isinstance(common.get("layout"), dict)
+        and isinstance(common.get("progress"), dict)
+    ):
+        raise CheckpointError(
+            f"{Path(path) / 'common.pt'} lacks the config, layout or progress every checkpoint holds: "
+            "the checkpoint is corrupt or was not written by megatron-train"
+        )
+    return common
 
 
 def read_tensor_metadata(path: Path) -> dict[str, ShardedTensor]:
     """Every saved tensor's key, global shape and dtype (no data read), loaded safely."""
-    with safe_unpickling():
-        return dist_checkpointing.load_tensors_metadata(str(path))
+    try:
+        with safe_unpickling():
+            return dist_checkpointing.load_tensors_metadata(str(path))
+    except Exception as err:  # torch's reader raises many kinds on a damaged file
+        raise _corrupt(Path(path) / ".metadata", err) from err
 
 
 def read_sharded(sharded_state: dict, path: Path, partial: bool = False) -> dict:
@@ -185,8 +211,22 @@ def _tensors(sharded: dict) -> dict[str, ShardedTensor]:
 
 
 def check_architecture(model_sharded: dict, saved: dict[str, ShardedTensor]) -> None:
-    """Fail with the first tensor whose global shape differs from the checkpoint's (or is absent)."""
-    for key, shard in sorted(_tensors(model_sharded).items()):
+    """Fail with the first tensor whose global shape differs from the checkpoint's, that the
+    checkpoint lacks, or that the checkpoint holds and the model has no place for (untied output
+    weights loaded into a tied model, say: they would be dropped silently)."""
+    needed = _tensors(model_sharded)
+    # A pipeline stage holds only its own tensors; the whole model is what all ranks hold together.
+    held = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, sorted(needed))
+    everywhere = set().union(*held)
+    extra = sorted(k for k in saved if not k.startswith("optimizer.") and k not in everywhere)
+    if extra:
+        raise CheckpointError(
+            f"architecture mismatch: the checkpoint has tensor {extra[0]!r} that the model has no place "
+            "for (different layer count, tied embeddings or bias settings?); load it into a model with "
+            "the same config"
+        )
+    for key, shard in sorted(needed.items()):
         if key not in saved:
             raise CheckpointError(
                 f"architecture mismatch: the checkpoint has no tensor {key!r} that the model needs "
