@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from megatron_train.config import ExperimentConfig, to_dict
 from megatron_train.models.registry import family_of
@@ -55,36 +56,41 @@ class MetricsLogger:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_length
         self.flops_per_step = flops_per_token(cfg) * self.tokens_per_step
         self.peak = peak_tflops()
-        self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.cfg, self.run_dir = cfg, run_dir
+        self._file = None
         self._wandb = None
-        if enabled and cfg.logging.wandb:
+
+    def open(self, step: int) -> None:
+        """Start writing into the run directory (the resolved config, metrics.jsonl, wandb), once
+        every check of the start has passed; records after ``step`` are dropped (a resumed run
+        redoes those steps; no double counting)."""
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        path = self.run_dir / "metrics.jsonl"
+        if step > 0 and path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a kill
+                if record.get("step", 0) <= step:
+                    kept.append(line + "\n")
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            tmp.replace(path)
+        self._file = open(path, "a")
+        if self.cfg.logging.wandb:
             import wandb
 
             self._wandb = wandb.init(
-                project=cfg.logging.wandb_project,
-                dir=str(run_dir),
-                mode=cfg.logging.wandb_mode,
-                config=to_dict(cfg),
+                project=self.cfg.logging.wandb_project,
+                dir=str(self.run_dir),
+                mode=self.cfg.logging.wandb_mode,
+                config=to_dict(self.cfg),
             )
-
-    def rewind(self, step: int) -> None:
-        """Drop records after ``step`` (a resumed run redoes those steps; no double counting)."""
-        if not self.enabled:
-            return
-        self._file.close()
-        path = Path(self._file.name)
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill
-            if record.get("step", 0) <= step:
-                kept.append(line + "\n")
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(path)
-        self._file = open(path, "a")
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from megatron_train import runtime
+from megatron_train import cli, runtime
 from megatron_train.config import ExperimentConfig, to_dict
 from megatron_train.errors import BAD_INPUT
 from megatron_train.resolve import resolve
@@ -29,7 +29,7 @@ EXIT_STOPPED_EARLY = 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="YAML experiment config")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     return parser.parse_args(argv)
@@ -42,9 +42,6 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
     from megatron_train.stopping import StopWatch
 
     run_dir = Path(cfg.logging.run_dir)
-    if rt.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     log = MetricsLogger(cfg, run_dir, rt.is_main, rt.world_size)
     log.info("resolved config:\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False))
     watch = StopWatch(cfg.train.exit_after_minutes, rt.device)
@@ -76,9 +73,11 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     progress = Progress(iteration=0, consumed_samples=0)
     if resume_from is not None:
         progress = checkpointer.load(resume_from, model, optimizer, scheduler)
-        log.rewind(progress.iteration)
     elif start_from is not None:
         warm_start.load(start_from, cfg, model, optimizer, log.info)
+    # Only now, with every input checked, does the run directory change.
+    log.open(progress.iteration)
+    checkpointer.start_writer()
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
     dp = parallel_state.get_data_parallel_world_size()
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
@@ -149,7 +148,7 @@ def _main(argv: list[str] | None) -> int:
         cfg = resolve(args.config, args.overrides, env.world_size)
     except BAD_INPUT as err:
         if env.rank == 0:
-            print(f"error: {err}", file=sys.stderr)
+            cli.report(err)
         return EXIT_BAD_CONFIG
     if not torch.cuda.is_available():
         # Without a GPU, megatron-core's notes that fused kernels are unavailable are expected.
@@ -159,7 +158,7 @@ def _main(argv: list[str] | None) -> int:
         run_dir, exit_code = train(cfg, rt)
     except BAD_INPUT as err:  # a bad checkpoint or Hugging Face directory to start from
         if rt.is_main:
-            print(f"error: {err}", file=sys.stderr)
+            cli.report(err)
         return EXIT_BAD_CONFIG
     except TrainingDiverged as err:
         print(f"error on rank {rt.rank}: {err}", file=sys.stderr)

@@ -20,9 +20,9 @@ from tests.conftest import ROOT
 # Lowest first; a module may import from its own layer or a lower one, never a higher one.
 LAYERS = [
     ["errors", "config", "megatron_compat", "cpu_compat", "tokenizer", "text_sources",
-     "checkpoint.files", "checkpoint.safe_load", "hf.model_dir", "hf.safetensors_io"],
+     "checkpoint.files", "checkpoint.safe_load", "hf.model_dir", "hf.safetensors_io", "outputs"],
     ["models.*"],
-    ["resolve", "hf.plan"],
+    ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory"],
     ["data", "step", "metrics", "stopping", "evaluation"],
     ["checkpoint.state", "checkpoint.policy", "checkpoint.streaming_save", "checkpoint.manager"],
@@ -157,6 +157,7 @@ def test_validation_and_log_cadence(tmp_path):
     assert not any(validation_due(cfg, s) for s in range(1, 8))
     cfg.model.vocab_size = 256
     log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
+    log.open(0)
     log.start_interval()
     for step in range(1, 8):
         log.after_step(step, loss=1.0, lr=1e-3, grad_norm=0.5, skipped=0)
