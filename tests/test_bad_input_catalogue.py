@@ -1,0 +1,891 @@
+"""A catalogue of bad inputs across every entry point: each stops with its documented exit code and
+one ``error:`` line naming the problem, and every file of the workspace (the inputs, an existing
+run, existing outputs) hashes the same before and after; nothing new appears either.
+
+Cases run in-process (each entry point's ``main``) for speed; tests elsewhere cover the CLIs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import socket
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, write_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tool(path: str) -> Callable[[list[str]], int]:
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _entry(name: str) -> Callable[[list[str]], int]:
+    if name == "train":
+        from megatron_train.train import main
+    elif name == "preflight":
+        from megatron_train.preflight import main
+    else:
+        main = _tool(
+            {
+                "submit": "launch/submit.py",
+                "convert": "tools/convert_checkpoint.py",
+                "generate": "tools/generate.py",
+                "inspect": "tools/inspect_checkpoint.py",
+                "preprocess": "tools/preprocess_data.py",
+                "tokenizer": "tools/train_tokenizer.py",
+            }[name]
+        )
+    return main
+
+
+@dataclass
+class Case:
+    id: str
+    entry: str
+    argv: Callable[[Path], list[str]]
+    says: str
+    """Text the one error line must contain (the problem it names)."""
+    setup: Callable[[Path], None] | None = None
+    code: int = 2
+
+
+# -- workspace: inputs and an existing run, shared by all cases ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, corpus, trained) -> Path:
+    ws = tmp_path_factory.mktemp("catalogue")
+    (ws / "corpus").mkdir()
+    for name in ("stdlib.bin", "stdlib.idx", "spm.model", "stdlib.jsonl"):
+        src = corpus["prefix"].parent / name
+        shutil.copy2(src, ws / "corpus" / name)
+    shutil.copytree(trained["run"], ws / "run")
+    write_config(
+        ws / "cfg.yaml",
+        {"prefix": ws / "corpus" / "stdlib", "tokenizer": ws / "corpus" / "spm.model"},
+        ws / "run",
+        checkpoint={"interval": 2},
+        train={"steps": 4},
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(ws / "hf")
+    (ws / "cases").mkdir()
+    return ws
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hashes(*roots: Path) -> dict[str, str]:
+    found = {}
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                found[str(path)] = "dir"
+    return found
+
+
+# -- helpers that make one damaged input inside the case's own folder -------------------------------
+
+CKPT = "run/checkpoints/iter_0000004"
+
+
+def _case(ws: Path, case_id: str) -> Path:
+    return ws / "cases" / case_id
+
+
+def _write(rel: str, content: bytes | str) -> Callable[[Path, str], None]:
+    def setup(ws: Path, case_id: str) -> None:
+        path = _case(ws, case_id) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+
+    return setup
+
+
+def _copy_ckpt(damage: Callable[[Path], None] | None = None) -> Callable[[Path, str], None]:
+    def setup(ws: Path, case_id: str) -> None:
+        dst = _case(ws, case_id) / "ckpt" / "iter_0000004"
+        shutil.copytree(ws / CKPT, dst)
+        if damage:
+            damage(dst)
+
+    return setup
+
+
+def _same_size_garbage(name: str) -> Callable[[Path], None]:
+    def damage(ckpt: Path) -> None:
+        size = (ckpt / name).stat().st_size
+        (ckpt / name).write_bytes(b"\x07" * size)
+        record = json.loads((ckpt / "complete.json").read_text())
+        record["files"][name].pop("sha256")
+        (ckpt / "complete.json").write_text(json.dumps(record))
+
+    return damage
+
+
+def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
+    def setup(ws: Path, case_id: str) -> None:
+        d = _case(ws, case_id)
+        d.mkdir(parents=True)
+        for suffix in (".bin", ".idx"):
+            shutil.copy2(ws / "corpus" / f"stdlib{suffix}", d / f"data{suffix}")
+        damage(d / "data")
+
+    return setup
+
+
+def _truncate(suffix: str, keep: int) -> Callable[[Path], None]:
+    def damage(prefix: Path) -> None:
+        path = prefix.with_suffix(suffix)
+        path.write_bytes(path.read_bytes()[:keep] if keep >= 0 else path.read_bytes()[:keep])
+
+    return damage
+
+
+def _patch_idx(offset: int, data: bytes) -> Callable[[Path], None]:
+    def damage(prefix: Path) -> None:
+        path = prefix.with_suffix(".idx")
+        raw = bytearray(path.read_bytes())
+        raw[offset : offset + len(data)] = data
+        path.write_bytes(bytes(raw))
+
+    return damage
+
+
+def _hf_copy(edit: Callable[[Path], None]) -> Callable[[Path, str], None]:
+    def setup(ws: Path, case_id: str) -> None:
+        dst = _case(ws, case_id) / "hf"
+        shutil.copytree(ws / "hf", dst)
+        edit(dst)
+
+    return setup
+
+
+def _edit_hf_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def edit(hf: Path) -> None:
+        config = json.loads((hf / "config.json").read_text())
+        change(config)
+        (hf / "config.json").write_text(json.dumps(config))
+
+    return edit
+
+
+def _train(*overrides: str, config: str = "cfg.yaml") -> Callable[[Path], list[str]]:
+    return lambda ws: ["--config", str(ws / config), *[o.replace("WS", str(ws)) for o in overrides]]
+
+
+def _args(*args: str) -> Callable[[Path], list[str]]:
+    return lambda ws: [a.replace("WS", str(ws)) for a in args]
+
+
+FRESH = "logging.run_dir=WS/cases/fresh_run"  # a run that must not be created by a failed start
+
+CASES = [
+    # train: the config file itself
+    Case("config-missing", "train", _train(config="nope.yaml"), "does not exist"),
+    Case("config-is-dir", "train", _train(config="corpus"), "is a directory"),
+    Case(
+        "config-syntax",
+        "train",
+        _train(config="cases/config-syntax/c.yaml"),
+        "not valid YAML at line",
+        _write("c.yaml", "model:\n  preset: [tiny\n"),
+    ),  # fmt: skip
+    Case(
+        "config-list",
+        "train",
+        _train(config="cases/config-list/c.yaml"),
+        "not a mapping",
+        _write("c.yaml", "- model\n- data\n"),
+    ),  # fmt: skip
+    Case(
+        "config-section-scalar",
+        "train",
+        _train(config="cases/config-section-scalar/c.yaml"),
+        "'model'",
+        _write("c.yaml", "model: 5\n"),
+    ),  # fmt: skip
+    Case(
+        "config-binary",
+        "train",
+        _train(config="cases/config-binary/c.yaml"),
+        "cannot be read",
+        _write("c.yaml", b"\xff\xfe\x00model"),
+    ),  # fmt: skip
+    Case("override-no-equals", "train", _train("train.steps"), "key.sub=value"),
+    Case("override-into-scalar", "train", _train("train.steps.x=1"), "'train.steps'"),
+    Case("override-unknown-section", "train", _train("trian.steps=1"), "did you mean"),
+    # train: data and tokenizer
+    Case("blend-odd-pairs", "train", _train("data.blend=[0.5, WS/corpus/stdlib, 0.5]"), "pairs"),
+    Case("blend-zero-weights", "train", _train("data.blend=[0, WS/corpus/stdlib]"), "all 0"),
+    Case("blend-negative-weight", "train", _train("data.blend=[-1, WS/corpus/stdlib]"), "'data.blend'"),
+    Case("blend-missing-idx", "train", _train("data.blend=[WS/corpus/nothing]"), "does not exist"),
+    Case(
+        "bin-truncated",
+        "train",
+        _train("data.blend=[WS/cases/bin-truncated/data]"),
+        "data.bin",
+        _copy_data(_truncate(".bin", 1000)),
+    ),  # fmt: skip
+    Case(
+        "idx-truncated",
+        "train",
+        _train("data.blend=[WS/cases/idx-truncated/data]"),
+        "data.idx",
+        _copy_data(_truncate(".idx", 100)),
+    ),  # fmt: skip
+    Case(
+        "idx-header-only",
+        "train",
+        _train("data.blend=[WS/cases/idx-header-only/data]"),
+        "data.idx",
+        _copy_data(_truncate(".idx", 20)),
+    ),  # fmt: skip
+    Case(
+        "idx-bad-magic",
+        "train",
+        _train("data.blend=[WS/cases/idx-bad-magic/data]"),
+        "not a megatron index",
+        _copy_data(_patch_idx(0, b"NOTANIDX\x00")),
+    ),  # fmt: skip
+    Case(
+        "idx-bad-version",
+        "train",
+        _train("data.blend=[WS/cases/idx-bad-version/data]"),
+        "version",
+        _copy_data(_patch_idx(9, struct.pack("<Q", 7))),
+    ),  # fmt: skip
+    Case(
+        "idx-bad-dtype",
+        "train",
+        _train("data.blend=[WS/cases/idx-bad-dtype/data]"),
+        "dtype",
+        _copy_data(_patch_idx(17, b"\x63")),
+    ),  # fmt: skip
+    Case(
+        "idx-wrong-count",
+        "train",
+        _train("data.blend=[WS/cases/idx-wrong-count/data]"),
+        "data.idx",
+        _copy_data(_patch_idx(18, struct.pack("<Q", 10**6))),
+    ),  # fmt: skip
+    Case(
+        "tokenizer-garbage",
+        "train",
+        _train("data.tokenizer.path=WS/cases/tokenizer-garbage/spm.model"),
+        "'data.tokenizer.path'",
+        _write("spm.model", b"this is not a sentencepiece model"),
+    ),  # fmt: skip
+    Case(
+        "tokenizer-wrong-type", "train", _train("data.tokenizer.type=huggingface"), "'data.tokenizer.path'"
+    ),  # fmt: skip
+    Case(
+        "tokenizer-empty-dir",
+        "train",
+        _train("data.tokenizer.path=WS/cases/tokenizer-empty-dir/tok", "data.tokenizer.type=huggingface"),
+        "'data.tokenizer.path'",
+        _write("tok/README", "nothing here"),
+    ),  # fmt: skip
+    Case("vocab-too-small", "train", _train("model.vocab_size=100"), "'model.vocab_size'"),
+    Case(
+        "cache-dir-under-file",
+        "train",
+        _train(FRESH, "data.cache_dir=WS/corpus/spm.model/cache"),
+        "'data.cache_dir'",
+    ),  # fmt: skip
+    Case(
+        "run-dir-under-file", "train", _train("logging.run_dir=WS/corpus/spm.model/run"), "'logging.run_dir'"
+    ),  # fmt: skip
+    # train: checkpoints to resume from (the existing run must stay as it was)
+    Case(
+        "resume-other-architecture",
+        "train",
+        _train("model.hidden_size=128", "model.ffn_hidden_size=256"),
+        "architecture",
+    ),  # fmt: skip
+    Case("resume-untied-into-tied", "train", _train("model.tie_embeddings=true"), "output_layer"),
+    Case(
+        "finetune-untied-into-tied",
+        "train",
+        _train(FRESH, "model.tie_embeddings=true", f"checkpoint.load=WS/{CKPT}", "checkpoint.finetune=true"),
+        "output_layer",
+    ),  # fmt: skip
+    Case("load-missing", "train", _train(FRESH, "checkpoint.load=WS/nothing"), "does not exist"),
+    Case(
+        "load-torn",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/load-torn/ckpt/iter_0000004"),
+        "torn",
+        _copy_ckpt(lambda c: (c / "complete.json").unlink()),
+    ),  # fmt: skip
+    Case(
+        "record-not-json",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/record-not-json/ckpt/iter_0000004"),
+        "complete.json",
+        _copy_ckpt(lambda c: (c / "complete.json").write_text("{not json")),
+    ),  # fmt: skip
+    Case(
+        "record-wrong-shape",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/record-wrong-shape/ckpt/iter_0000004"),
+        "complete.json",
+        _copy_ckpt(lambda c: (c / "complete.json").write_text('{"files": 5}')),
+    ),  # fmt: skip
+    Case(
+        "record-entry-no-size",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/record-entry-no-size/ckpt/iter_0000004"),
+        "complete.json",
+        _copy_ckpt(lambda c: (c / "complete.json").write_text('{"files": {"common.pt": {}}}')),
+    ),  # fmt: skip
+    Case(
+        "record-file-missing",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/record-file-missing/ckpt/iter_0000004"),
+        "missing",
+        _copy_ckpt(lambda c: (c / "__0_1.distcp").unlink()),
+    ),  # fmt: skip
+    Case(
+        "record-file-truncated",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/record-file-truncated/ckpt/iter_0000004"),
+        "truncated",
+        _copy_ckpt(lambda c: (c / "__0_0.distcp").write_bytes(b"x")),
+    ),  # fmt: skip
+    Case(
+        "common-garbage",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/common-garbage/ckpt/iter_0000004"),
+        "common.pt",
+        _copy_ckpt(_same_size_garbage("common.pt")),
+    ),  # fmt: skip
+    Case(
+        "tensor-metadata-garbage",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/tensor-metadata-garbage/ckpt/iter_0000004"),
+        ".metadata",
+        _copy_ckpt(_same_size_garbage(".metadata")),
+    ),  # fmt: skip
+    Case(
+        "init-from-file",
+        "train",
+        _train(FRESH, "checkpoint.init_from=WS/corpus/spm.model"),
+        "'checkpoint.init_from'",
+    ),  # fmt: skip
+    Case(
+        "init-from-hf-missing-field",
+        "train",
+        _train(FRESH, "checkpoint.init_from=WS/cases/init-from-hf-missing-field/hf", "model.preset=null"),
+        "hidden_size",
+        _hf_copy(_edit_hf_config(lambda c: c.pop("hidden_size"))),
+    ),  # fmt: skip
+    Case(
+        "init-from-hf-bad-safetensors",
+        "train",
+        _train(
+            FRESH,
+            "checkpoint.init_from=WS/cases/init-from-hf-bad-safetensors/hf",
+            "model.preset=null",
+            "model.max_position_embeddings=128",
+        ),
+        "model.safetensors",
+        _hf_copy(lambda hf: (hf / "model.safetensors").write_bytes(b"\x00" * 64)),
+    ),  # fmt: skip
+    # preflight
+    Case("preflight-nodes-0", "preflight", _args("--config", "WS/cfg.yaml", "--nodes", "0"), "--nodes"),
+    Case(
+        "preflight-gpus-negative",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "-1"),
+        "--gpus-per-node",
+    ),  # fmt: skip
+    Case(
+        "preflight-memory-nan",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpu-memory-gib", "nan"),
+        "--gpu-memory-gib",
+    ),  # fmt: skip
+    Case("preflight-unknown-flag", "preflight", _args("--config", "WS/cfg.yaml", "--nodez", "2"), "--nodez"),
+    Case(
+        "preflight-save-dir-under-file",
+        "preflight",
+        _args(
+            "--config",
+            "WS/cfg.yaml",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "1",
+            "checkpoint.save_dir=WS/corpus/spm.model/ckpt",
+        ),
+        "'checkpoint.save_dir'",
+    ),  # fmt: skip
+    Case(
+        "preflight-resume-other-model",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "model.num_layers=2"),
+        "'model.num_layers'",
+    ),
+    Case(
+        "preflight-common-garbage",
+        "preflight",
+        _args(
+            "--config",
+            "WS/cfg.yaml",
+            "--gpus-per-node",
+            "1",
+            "checkpoint.load=WS/cases/preflight-common-garbage/ckpt/iter_0000004",
+        ),
+        "common.pt",
+        _copy_ckpt(_same_size_garbage("common.pt")),
+    ),  # fmt: skip
+    Case(
+        "preflight-over-memory",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--gpu-memory-gib", "0.001"),
+        "estimate",
+    ),
+    # submit
+    Case(
+        "submit-bad-time",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--time", "forever", "--dry-run"),
+        "--time",
+    ),  # fmt: skip
+    Case(
+        "submit-negative-signal",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--signal-seconds", "-5", "--dry-run"),
+        "--signal-seconds",
+    ),
+    Case(
+        "submit-nodes-0", "submit", _args("--config", "WS/cfg.yaml", "--nodes", "0", "--dry-run"), "--nodes"
+    ),
+    Case(
+        "submit-preflight-fails",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--dry-run", "parallel.tensor=3"),
+        "'parallel.tensor'",
+    ),  # fmt: skip
+    # convert: import-hf
+    Case(
+        "import-hf-missing",
+        "convert",
+        _args("import-hf", "--hf", "WS/nothing", "--out", "WS/cases/o"),
+        "does not exist",
+    ),  # fmt: skip
+    Case(
+        "import-hf-no-config",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-no-config/hf", "--out", "WS/cases/o"),
+        "config.json",
+        _hf_copy(lambda hf: (hf / "config.json").unlink()),
+    ),  # fmt: skip
+    Case(
+        "import-hf-config-not-json",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-config-not-json/hf", "--out", "WS/cases/o"),
+        "config.json",
+        _hf_copy(lambda hf: (hf / "config.json").write_text("{oops")),
+    ),  # fmt: skip
+    Case(
+        "import-hf-missing-field",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-missing-field/hf", "--out", "WS/cases/o"),
+        "num_attention_heads",
+        _hf_copy(_edit_hf_config(lambda c: c.pop("num_attention_heads"))),
+    ),  # fmt: skip
+    Case(
+        "import-hf-field-wrong-type",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-field-wrong-type/hf", "--out", "WS/cases/o"),
+        "hidden_size",
+        _hf_copy(_edit_hf_config(lambda c: c.update(hidden_size="big"))),
+    ),  # fmt: skip
+    Case(
+        "import-hf-unsupported",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-unsupported/hf", "--out", "WS/cases/o"),
+        "GPT2LMHeadModel",
+        _hf_copy(_edit_hf_config(lambda c: c.update(architectures=["GPT2LMHeadModel"]))),
+    ),  # fmt: skip
+    Case(
+        "import-hf-bad-safetensors",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-bad-safetensors/hf", "--out", "WS/cases/o"),
+        "model.safetensors",
+        _hf_copy(lambda hf: (hf / "model.safetensors").write_bytes(b"\x00" * 64)),
+    ),  # fmt: skip
+    Case(
+        "import-hf-out-exists",
+        "convert",
+        _args("import-hf", "--hf", "WS/hf", "--out", "WS/run"),
+        "already exists",
+    ),  # fmt: skip
+    Case(
+        "import-hf-out-under-file",
+        "convert",
+        _args("import-hf", "--hf", "WS/hf", "--out", "WS/corpus/spm.model/out"),
+        "spm.model",
+    ),
+    Case(
+        "import-hf-tp-3",
+        "convert",
+        _args("import-hf", "--hf", "WS/hf", "--out", "WS/cases/o", "--tp", "3"),
+        "parallel.tensor",
+    ),  # fmt: skip
+    Case(
+        "import-hf-tp-0",
+        "convert",
+        _args("import-hf", "--hf", "WS/hf", "--out", "WS/cases/o", "--tp", "0"),
+        "--tp",
+    ),  # fmt: skip
+    # convert: export-hf
+    Case(
+        "export-hf-missing",
+        "convert",
+        _args("export-hf", "--ckpt", "WS/nothing", "--out", "WS/cases/o"),
+        "does not exist",
+    ),  # fmt: skip
+    Case(
+        "export-hf-torn",
+        "convert",
+        _args("export-hf", "--ckpt", "WS/cases/export-hf-torn/ckpt", "--out", "WS/cases/o"),
+        "torn",
+        _copy_ckpt(lambda c: (c / "complete.json").unlink()),
+    ),  # fmt: skip
+    Case(
+        "export-hf-out-exists",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/hf"),
+        "already exists",
+    ),  # fmt: skip
+    Case(
+        "export-hf-shard-0",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--max-shard-gib", "0"),
+        "--max-shard-gib",
+    ),  # fmt: skip
+    Case(
+        "export-hf-tokenizer-missing",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--tokenizer", "WS/nothing"),
+        "tokenizer",
+    ),  # fmt: skip
+    Case(
+        "export-hf-common-garbage",
+        "convert",
+        _args("export-hf", "--ckpt", "WS/cases/export-hf-common-garbage/ckpt", "--out", "WS/cases/o"),
+        "common.pt",
+        _copy_ckpt(_same_size_garbage("common.pt")),
+    ),  # fmt: skip
+    # generate
+    Case("generate-missing", "generate", _args("--ckpt", "WS/nothing"), "does not exist"),
+    Case(
+        "generate-negative-tokens",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--max-new-tokens", "-1"),
+        "--max-new-tokens",
+    ),  # fmt: skip
+    Case("generate-top-p-2", "generate", _args("--ckpt", f"WS/{CKPT}", "--top-p", "2"), "--top-p"),
+    Case(
+        "generate-zero-temperature",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--top-p", "0.9", "--temperature", "0"),
+        "--temperature",
+    ),
+    Case(
+        "generate-prompt-ids-text",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt-ids", "1,x"),
+        "--prompt-ids",
+    ),  # fmt: skip
+    Case(
+        "generate-prompt-ids-too-big",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt-ids", "1,999999"),
+        "--prompt-ids",
+    ),
+    Case("generate-tp-3", "generate", _args("--ckpt", f"WS/{CKPT}", "--tp", "3"), "parallel.tensor"),
+    Case(
+        "generate-tp-2-on-one-rank", "generate", _args("--ckpt", f"WS/{CKPT}", "--tp", "2"), "launched rank"
+    ),
+    Case(
+        "generate-tokenizer-missing",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--tokenizer", "WS/nothing"),
+        "--tokenizer",
+    ),  # fmt: skip
+    # inspect (exit 2: no checkpoint; 1: torn or corrupt, reported on stdout)
+    Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist"),
+    Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "neither a checkpoint"),
+    Case(
+        "inspect-common-garbage",
+        "inspect",
+        _args("WS/cases/inspect-common-garbage/ckpt/iter_0000004"),
+        "common.pt",
+        _copy_ckpt(_same_size_garbage("common.pt")),
+        code=1,
+    ),  # fmt: skip
+    Case(
+        "inspect-record-wrong-shape",
+        "inspect",
+        _args("WS/cases/inspect-record-wrong-shape/ckpt/iter_0000004"),
+        "complete.json",
+        _copy_ckpt(lambda c: (c / "complete.json").write_text("[1, 2]")),
+        code=1,
+    ),  # fmt: skip
+    # preprocess
+    Case(
+        "preprocess-input-missing",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/nothing.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "does not exist",
+    ),  # fmt: skip
+    Case(
+        "preprocess-empty-input",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/cases/preprocess-empty-input/in.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "no documents",
+        _write("in.jsonl", ""),
+    ),  # fmt: skip
+    Case(
+        "preprocess-not-json",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/cases/preprocess-not-json/in.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "in.jsonl",
+        _write("in.jsonl", "this is not json\n"),
+    ),  # fmt: skip
+    Case(
+        "preprocess-text-not-string",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/cases/preprocess-text-not-string/in.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "string",
+        _write("in.jsonl", '{"text": 5}\n{"text": 7}\n'),
+    ),  # fmt: skip
+    Case(
+        "preprocess-no-text-key",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+            "--text-key",
+            "body",
+        ),
+        "'body'",
+    ),  # fmt: skip
+    Case(
+        "preprocess-tokenizer-garbage",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/cases/preprocess-tokenizer-garbage/t.model",
+        ),
+        "t.model",
+        _write("t.model", b"garbage"),
+    ),  # fmt: skip
+    Case(
+        "preprocess-output-under-file",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/corpus/spm.model/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "--output-prefix",
+    ),  # fmt: skip
+    Case(
+        "preprocess-workers-0",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+            "--workers",
+            "0",
+        ),
+        "--workers",
+    ),  # fmt: skip
+    Case(
+        "preprocess-unknown-suffix",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/spm.model",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "unknown file type",
+    ),  # fmt: skip
+    # train_tokenizer
+    Case(
+        "tokenizer-input-missing",
+        "tokenizer",
+        _args("--input", "WS/nothing.jsonl", "--output-prefix", "WS/cases/t/spm"),
+        "does not exist",
+    ),
+    Case(
+        "tokenizer-empty-input",
+        "tokenizer",
+        _args("--input", "WS/cases/tokenizer-empty-input/in.txt", "--output-prefix", "WS/cases/t/spm"),
+        "no documents",
+        _write("in.txt", ""),
+    ),  # fmt: skip
+    Case(
+        "tokenizer-text-not-string",
+        "tokenizer",
+        _args("--input", "WS/cases/tokenizer-text-not-string/in.jsonl", "--output-prefix", "WS/cases/t/spm"),
+        "string",
+        _write("in.jsonl", '{"text": [1, 2]}\n'),
+    ),  # fmt: skip
+    Case(
+        "tokenizer-vocab-too-big",
+        "tokenizer",
+        _args(
+            "--input",
+            "WS/cases/tokenizer-vocab-too-big/in.txt",
+            "--output-prefix",
+            "WS/cases/t/spm",
+            "--vocab-size",
+            "5000",
+        ),
+        "--vocab-size",
+        _write("in.txt", "a small text\nof two lines\n"),
+    ),
+    Case(
+        "tokenizer-vocab-0",
+        "tokenizer",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/t/spm", "--vocab-size", "0"),
+        "--vocab-size",
+    ),  # fmt: skip
+    Case(
+        "tokenizer-output-under-file",
+        "tokenizer",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/corpus/spm.model/spm"),
+        "--output-prefix",
+    ),  # fmt: skip
+    Case(
+        "tokenizer-output-exists",
+        "tokenizer",
+        _args(
+            "--input",
+            "WS/cases/tokenizer-output-exists/in.txt",
+            "--output-prefix",
+            "WS/corpus/spm",
+            "--vocab-size",
+            "5000",
+        ),
+        "--vocab-size",
+        _write("in.txt", "two\nlines\n"),
+    ),  # fmt: skip
+]
+
+
+def test_the_catalogue_is_large_and_distinct():
+    assert len(CASES) >= 60
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert {c.entry for c in CASES} == {"train", "preflight", "submit", "convert", "generate", "inspect",
+                                        "preprocess", "tokenizer"}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_and_touches_nothing(ws, corpus, case, capfd, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    # Set here, so that the rendezvous of a case that starts a process group leaves nothing behind.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.chdir(ws)
+    if case.setup:
+        case.setup(ws, case.id)
+    before = _hashes(ws, corpus["prefix"].parent)
+    try:
+        code = _entry(case.entry)(case.argv(ws))
+    except SystemExit as exit_:  # a usage mistake, reported by the argument parser
+        code = exit_.code
+    out, err = capfd.readouterr()
+    assert code == case.code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    if case.code == 2:
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+        assert case.says in lines[0], lines[0]
+    else:
+        assert case.says in out, out[-3000:]
+    assert _hashes(ws, corpus["prefix"].parent) == before
+
+
+def test_readme_lists_exit_codes_per_entry_point():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Exit codes") :]
+    for entry in ("megatron_train.train", "megatron_train.preflight", "launch/submit.py",
+                  "tools/convert_checkpoint.py", "tools/generate.py", "tools/inspect_checkpoint.py",
+                  "tools/preprocess_data.py", "tools/train_tokenizer.py"):  # fmt: skip
+        assert entry in section, entry
