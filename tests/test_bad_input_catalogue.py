@@ -158,7 +158,7 @@ def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
 def _truncate(suffix: str, keep: int) -> Callable[[Path], None]:
     def damage(prefix: Path) -> None:
         path = prefix.with_suffix(suffix)
-        path.write_bytes(path.read_bytes()[:keep] if keep >= 0 else path.read_bytes()[:keep])
+        path.write_bytes(path.read_bytes()[:keep])
 
     return damage
 
@@ -211,28 +211,28 @@ CASES = [
         _train(config="cases/config-syntax/c.yaml"),
         "not valid YAML at line",
         _write("c.yaml", "model:\n  preset: [tiny\n"),
-    ),  # fmt: skip
+    ),
     Case(
         "config-list",
         "train",
         _train(config="cases/config-list/c.yaml"),
         "not a mapping",
         _write("c.yaml", "- model\n- data\n"),
-    ),  # fmt: skip
+    ),
     Case(
         "config-section-scalar",
         "train",
         _train(config="cases/config-section-scalar/c.yaml"),
         "'model'",
         _write("c.yaml", "model: 5\n"),
-    ),  # fmt: skip
+    ),
     Case(
         "config-binary",
         "train",
         _train(config="cases/config-binary/c.yaml"),
         "cannot be read",
         _write("c.yaml", b"\xff\xfe\x00model"),
-    ),  # fmt: skip
+    ),
     Case("override-no-equals", "train", _train("train.steps"), "key.sub=value"),
     Case("override-into-scalar", "train", _train("train.steps.x=1"), "'train.steps'"),
     Case("override-unknown-section", "train", _train("trian.steps=1"), "did you mean"),
@@ -247,90 +247,88 @@ CASES = [
         _train("data.blend=[WS/cases/bin-truncated/data]"),
         "data.bin",
         _copy_data(_truncate(".bin", 1000)),
-    ),  # fmt: skip
+    ),
     Case(
         "idx-truncated",
         "train",
         _train("data.blend=[WS/cases/idx-truncated/data]"),
         "data.idx",
         _copy_data(_truncate(".idx", 100)),
-    ),  # fmt: skip
+    ),
     Case(
         "idx-header-only",
         "train",
         _train("data.blend=[WS/cases/idx-header-only/data]"),
         "data.idx",
         _copy_data(_truncate(".idx", 20)),
-    ),  # fmt: skip
+    ),
     Case(
         "idx-bad-magic",
         "train",
         _train("data.blend=[WS/cases/idx-bad-magic/data]"),
         "not a megatron index",
         _copy_data(_patch_idx(0, b"NOTANIDX\x00")),
-    ),  # fmt: skip
+    ),
     Case(
         "idx-bad-version",
         "train",
         _train("data.blend=[WS/cases/idx-bad-version/data]"),
         "version",
         _copy_data(_patch_idx(9, struct.pack("<Q", 7))),
-    ),  # fmt: skip
+    ),
     Case(
         "idx-bad-dtype",
         "train",
         _train("data.blend=[WS/cases/idx-bad-dtype/data]"),
         "dtype",
         _copy_data(_patch_idx(17, b"\x63")),
-    ),  # fmt: skip
+    ),
     Case(
         "idx-wrong-count",
         "train",
         _train("data.blend=[WS/cases/idx-wrong-count/data]"),
         "data.idx",
         _copy_data(_patch_idx(18, struct.pack("<Q", 10**6))),
-    ),  # fmt: skip
+    ),
     Case(
         "tokenizer-garbage",
         "train",
         _train("data.tokenizer.path=WS/cases/tokenizer-garbage/spm.model"),
         "'data.tokenizer.path'",
         _write("spm.model", b"this is not a sentencepiece model"),
-    ),  # fmt: skip
-    Case(
-        "tokenizer-wrong-type", "train", _train("data.tokenizer.type=huggingface"), "'data.tokenizer.path'"
-    ),  # fmt: skip
+    ),
+    Case("tokenizer-wrong-type", "train", _train("data.tokenizer.type=huggingface"), "'data.tokenizer.path'"),
     Case(
         "tokenizer-empty-dir",
         "train",
         _train("data.tokenizer.path=WS/cases/tokenizer-empty-dir/tok", "data.tokenizer.type=huggingface"),
         "'data.tokenizer.path'",
         _write("tok/README", "nothing here"),
-    ),  # fmt: skip
+    ),
     Case("vocab-too-small", "train", _train("model.vocab_size=100"), "'model.vocab_size'"),
     Case(
         "cache-dir-under-file",
         "train",
         _train(FRESH, "data.cache_dir=WS/corpus/spm.model/cache"),
         "'data.cache_dir'",
-    ),  # fmt: skip
+    ),
     Case(
         "run-dir-under-file", "train", _train("logging.run_dir=WS/corpus/spm.model/run"), "'logging.run_dir'"
-    ),  # fmt: skip
+    ),
     # train: checkpoints to resume from (the existing run must stay as it was)
     Case(
         "resume-other-architecture",
         "train",
         _train("model.hidden_size=128", "model.ffn_hidden_size=256"),
         "architecture",
-    ),  # fmt: skip
+    ),
     Case("resume-untied-into-tied", "train", _train("model.tie_embeddings=true"), "output_layer"),
     Case(
         "finetune-untied-into-tied",
         "train",
         _train(FRESH, "model.tie_embeddings=true", f"checkpoint.load=WS/{CKPT}", "checkpoint.finetune=true"),
         "output_layer",
-    ),  # fmt: skip
+    ),
     Case("load-missing", "train", _train(FRESH, "checkpoint.load=WS/nothing"), "does not exist"),
     Case(
         "load-torn",
@@ -338,69 +336,69 @@ CASES = [
         _train(FRESH, "checkpoint.load=WS/cases/load-torn/ckpt/iter_0000004"),
         "torn",
         _copy_ckpt(lambda c: (c / "complete.json").unlink()),
-    ),  # fmt: skip
+    ),
     Case(
         "record-not-json",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/record-not-json/ckpt/iter_0000004"),
         "complete.json",
         _copy_ckpt(lambda c: (c / "complete.json").write_text("{not json")),
-    ),  # fmt: skip
+    ),
     Case(
         "record-wrong-shape",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/record-wrong-shape/ckpt/iter_0000004"),
         "complete.json",
         _copy_ckpt(lambda c: (c / "complete.json").write_text('{"files": 5}')),
-    ),  # fmt: skip
+    ),
     Case(
         "record-entry-no-size",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/record-entry-no-size/ckpt/iter_0000004"),
         "complete.json",
         _copy_ckpt(lambda c: (c / "complete.json").write_text('{"files": {"common.pt": {}}}')),
-    ),  # fmt: skip
+    ),
     Case(
         "record-file-missing",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/record-file-missing/ckpt/iter_0000004"),
         "missing",
         _copy_ckpt(lambda c: (c / "__0_1.distcp").unlink()),
-    ),  # fmt: skip
+    ),
     Case(
         "record-file-truncated",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/record-file-truncated/ckpt/iter_0000004"),
         "truncated",
         _copy_ckpt(lambda c: (c / "__0_0.distcp").write_bytes(b"x")),
-    ),  # fmt: skip
+    ),
     Case(
         "common-garbage",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/common-garbage/ckpt/iter_0000004"),
         "common.pt",
         _copy_ckpt(_same_size_garbage("common.pt")),
-    ),  # fmt: skip
+    ),
     Case(
         "tensor-metadata-garbage",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/tensor-metadata-garbage/ckpt/iter_0000004"),
         ".metadata",
         _copy_ckpt(_same_size_garbage(".metadata")),
-    ),  # fmt: skip
+    ),
     Case(
         "init-from-file",
         "train",
         _train(FRESH, "checkpoint.init_from=WS/corpus/spm.model"),
         "'checkpoint.init_from'",
-    ),  # fmt: skip
+    ),
     Case(
         "init-from-hf-missing-field",
         "train",
         _train(FRESH, "checkpoint.init_from=WS/cases/init-from-hf-missing-field/hf", "model.preset=null"),
         "hidden_size",
         _hf_copy(_edit_hf_config(lambda c: c.pop("hidden_size"))),
-    ),  # fmt: skip
+    ),
     Case(
         "init-from-hf-bad-safetensors",
         "train",
@@ -412,7 +410,7 @@ CASES = [
         ),
         "model.safetensors",
         _hf_copy(lambda hf: (hf / "model.safetensors").write_bytes(b"\x00" * 64)),
-    ),  # fmt: skip
+    ),
     # preflight
     Case("preflight-nodes-0", "preflight", _args("--config", "WS/cfg.yaml", "--nodes", "0"), "--nodes"),
     Case(
@@ -420,13 +418,13 @@ CASES = [
         "preflight",
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "-1"),
         "--gpus-per-node",
-    ),  # fmt: skip
+    ),
     Case(
         "preflight-memory-nan",
         "preflight",
         _args("--config", "WS/cfg.yaml", "--gpu-memory-gib", "nan"),
         "--gpu-memory-gib",
-    ),  # fmt: skip
+    ),
     Case("preflight-unknown-flag", "preflight", _args("--config", "WS/cfg.yaml", "--nodez", "2"), "--nodez"),
     Case(
         "preflight-save-dir-under-file",
@@ -441,7 +439,7 @@ CASES = [
             "checkpoint.save_dir=WS/corpus/spm.model/ckpt",
         ),
         "'checkpoint.save_dir'",
-    ),  # fmt: skip
+    ),
     Case(
         "preflight-resume-other-model",
         "preflight",
@@ -460,7 +458,7 @@ CASES = [
         ),
         "common.pt",
         _copy_ckpt(_same_size_garbage("common.pt")),
-    ),  # fmt: skip
+    ),
     Case(
         "preflight-over-memory",
         "preflight",
@@ -473,7 +471,7 @@ CASES = [
         "submit",
         _args("--config", "WS/cfg.yaml", "--time", "forever", "--dry-run"),
         "--time",
-    ),  # fmt: skip
+    ),
     Case(
         "submit-negative-signal",
         "submit",
@@ -488,62 +486,62 @@ CASES = [
         "submit",
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--dry-run", "parallel.tensor=3"),
         "'parallel.tensor'",
-    ),  # fmt: skip
+    ),
     # convert: import-hf
     Case(
         "import-hf-missing",
         "convert",
         _args("import-hf", "--hf", "WS/nothing", "--out", "WS/cases/o"),
         "does not exist",
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-no-config",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-no-config/hf", "--out", "WS/cases/o"),
         "config.json",
         _hf_copy(lambda hf: (hf / "config.json").unlink()),
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-config-not-json",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-config-not-json/hf", "--out", "WS/cases/o"),
         "config.json",
         _hf_copy(lambda hf: (hf / "config.json").write_text("{oops")),
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-missing-field",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-missing-field/hf", "--out", "WS/cases/o"),
         "num_attention_heads",
         _hf_copy(_edit_hf_config(lambda c: c.pop("num_attention_heads"))),
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-field-wrong-type",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-field-wrong-type/hf", "--out", "WS/cases/o"),
         "hidden_size",
         _hf_copy(_edit_hf_config(lambda c: c.update(hidden_size="big"))),
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-unsupported",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-unsupported/hf", "--out", "WS/cases/o"),
         "GPT2LMHeadModel",
         _hf_copy(_edit_hf_config(lambda c: c.update(architectures=["GPT2LMHeadModel"]))),
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-bad-safetensors",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-bad-safetensors/hf", "--out", "WS/cases/o"),
         "model.safetensors",
         _hf_copy(lambda hf: (hf / "model.safetensors").write_bytes(b"\x00" * 64)),
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-out-exists",
         "convert",
         _args("import-hf", "--hf", "WS/hf", "--out", "WS/run"),
         "already exists",
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-out-under-file",
         "convert",
@@ -555,52 +553,52 @@ CASES = [
         "convert",
         _args("import-hf", "--hf", "WS/hf", "--out", "WS/cases/o", "--tp", "3"),
         "parallel.tensor",
-    ),  # fmt: skip
+    ),
     Case(
         "import-hf-tp-0",
         "convert",
         _args("import-hf", "--hf", "WS/hf", "--out", "WS/cases/o", "--tp", "0"),
         "--tp",
-    ),  # fmt: skip
+    ),
     # convert: export-hf
     Case(
         "export-hf-missing",
         "convert",
         _args("export-hf", "--ckpt", "WS/nothing", "--out", "WS/cases/o"),
         "does not exist",
-    ),  # fmt: skip
+    ),
     Case(
         "export-hf-torn",
         "convert",
         _args("export-hf", "--ckpt", "WS/cases/export-hf-torn/ckpt", "--out", "WS/cases/o"),
         "torn",
         _copy_ckpt(lambda c: (c / "complete.json").unlink()),
-    ),  # fmt: skip
+    ),
     Case(
         "export-hf-out-exists",
         "convert",
         _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/hf"),
         "already exists",
-    ),  # fmt: skip
+    ),
     Case(
         "export-hf-shard-0",
         "convert",
         _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--max-shard-gib", "0"),
         "--max-shard-gib",
-    ),  # fmt: skip
+    ),
     Case(
         "export-hf-tokenizer-missing",
         "convert",
         _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--tokenizer", "WS/nothing"),
         "tokenizer",
-    ),  # fmt: skip
+    ),
     Case(
         "export-hf-common-garbage",
         "convert",
         _args("export-hf", "--ckpt", "WS/cases/export-hf-common-garbage/ckpt", "--out", "WS/cases/o"),
         "common.pt",
         _copy_ckpt(_same_size_garbage("common.pt")),
-    ),  # fmt: skip
+    ),
     # generate
     Case("generate-missing", "generate", _args("--ckpt", "WS/nothing"), "does not exist"),
     Case(
@@ -608,7 +606,7 @@ CASES = [
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--max-new-tokens", "-1"),
         "--max-new-tokens",
-    ),  # fmt: skip
+    ),
     Case("generate-top-p-2", "generate", _args("--ckpt", f"WS/{CKPT}", "--top-p", "2"), "--top-p"),
     Case(
         "generate-zero-temperature",
@@ -621,7 +619,7 @@ CASES = [
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--prompt-ids", "1,x"),
         "--prompt-ids",
-    ),  # fmt: skip
+    ),
     Case(
         "generate-prompt-ids-too-big",
         "generate",
@@ -637,7 +635,7 @@ CASES = [
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--tokenizer", "WS/nothing"),
         "--tokenizer",
-    ),  # fmt: skip
+    ),
     # inspect (exit 2: no checkpoint; 1: torn or corrupt, reported on stdout)
     Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist"),
     Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "neither a checkpoint"),
@@ -648,7 +646,7 @@ CASES = [
         "common.pt",
         _copy_ckpt(_same_size_garbage("common.pt")),
         code=1,
-    ),  # fmt: skip
+    ),
     Case(
         "inspect-record-wrong-shape",
         "inspect",
@@ -656,7 +654,7 @@ CASES = [
         "complete.json",
         _copy_ckpt(lambda c: (c / "complete.json").write_text("[1, 2]")),
         code=1,
-    ),  # fmt: skip
+    ),
     # preprocess
     Case(
         "preprocess-input-missing",
@@ -670,7 +668,7 @@ CASES = [
             "WS/corpus/spm.model",
         ),
         "does not exist",
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-empty-input",
         "preprocess",
@@ -684,7 +682,7 @@ CASES = [
         ),
         "no documents",
         _write("in.jsonl", ""),
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-not-json",
         "preprocess",
@@ -698,7 +696,7 @@ CASES = [
         ),
         "in.jsonl",
         _write("in.jsonl", "this is not json\n"),
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-text-not-string",
         "preprocess",
@@ -712,7 +710,7 @@ CASES = [
         ),
         "string",
         _write("in.jsonl", '{"text": 5}\n{"text": 7}\n'),
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-no-text-key",
         "preprocess",
@@ -727,7 +725,7 @@ CASES = [
             "body",
         ),
         "'body'",
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-tokenizer-garbage",
         "preprocess",
@@ -741,7 +739,7 @@ CASES = [
         ),
         "t.model",
         _write("t.model", b"garbage"),
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-output-under-file",
         "preprocess",
@@ -754,7 +752,7 @@ CASES = [
             "WS/corpus/spm.model",
         ),
         "--output-prefix",
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-workers-0",
         "preprocess",
@@ -769,7 +767,7 @@ CASES = [
             "0",
         ),
         "--workers",
-    ),  # fmt: skip
+    ),
     Case(
         "preprocess-unknown-suffix",
         "preprocess",
@@ -782,7 +780,7 @@ CASES = [
             "WS/corpus/spm.model",
         ),
         "unknown file type",
-    ),  # fmt: skip
+    ),
     # train_tokenizer
     Case(
         "tokenizer-input-missing",
@@ -796,14 +794,14 @@ CASES = [
         _args("--input", "WS/cases/tokenizer-empty-input/in.txt", "--output-prefix", "WS/cases/t/spm"),
         "no documents",
         _write("in.txt", ""),
-    ),  # fmt: skip
+    ),
     Case(
         "tokenizer-text-not-string",
         "tokenizer",
         _args("--input", "WS/cases/tokenizer-text-not-string/in.jsonl", "--output-prefix", "WS/cases/t/spm"),
         "string",
         _write("in.jsonl", '{"text": [1, 2]}\n'),
-    ),  # fmt: skip
+    ),
     Case(
         "tokenizer-vocab-too-big",
         "tokenizer",
@@ -823,13 +821,13 @@ CASES = [
         "tokenizer",
         _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/t/spm", "--vocab-size", "0"),
         "--vocab-size",
-    ),  # fmt: skip
+    ),
     Case(
         "tokenizer-output-under-file",
         "tokenizer",
         _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/corpus/spm.model/spm"),
         "--output-prefix",
-    ),  # fmt: skip
+    ),
     Case(
         "tokenizer-output-exists",
         "tokenizer",
@@ -843,7 +841,7 @@ CASES = [
         ),
         "--vocab-size",
         _write("in.txt", "two\nlines\n"),
-    ),  # fmt: skip
+    ),
 ]
 
 
