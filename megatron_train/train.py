@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -88,8 +89,13 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
         f"{layer_implementation(cfg)[1]}, {str(rt.dtype).removeprefix('torch.')}"
     )
 
+    started = time.perf_counter()
     with runtime.patient_collectives(cfg.data.build_timeout_minutes):
         train_ds, valid_ds = build_datasets(cfg, cfg.data.cache_dir or str(run_dir / "data_cache"))
+    log.info(
+        f"datasets ready in {time.perf_counter() - started:.1f} s: {len(train_ds):,} training samples, "
+        f"{len(valid_ds) if valid_ds else 0:,} validation samples"
+    )
     train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in model]
     evaluator = Evaluator(cfg, stepper, valid_ds, log)
     log.start_interval()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_train.tokenizer import load_tokenizer
-from tests.conftest import run_tool
+from tests.conftest import ROOT, run_tool, torchrun_command, torchrun_env, write_config
 
 TRICKY = [
     "def f(x):\n\treturn x  +  1\n\n\n",
@@ -86,3 +88,26 @@ def test_blend_proportions(tmp_path, corpus, tokenizer, single_process_group):
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [n, 0, 0], lambda: True, config).build()
     share_a = np.mean(train.dataset_index[:n] == 0)
     assert abs(share_a - 0.75) < 0.01, share_a
+
+
+@pytest.mark.slow
+def test_index_build_longer_than_the_collective_timeout(tmp_path, corpus):
+    """Rank 0 builds a 256M-sample index while rank 1 waits in megatron's barrier for longer than
+    the collective timeout (12 s here, wide enough for start-up skew on a loaded machine); the
+    setup's own timeout keeps the job alive."""
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run",
+        train={"steps": 32_000_000, "eval_interval": 0, "exit_after_minutes": 1e-4},
+        checkpoint={"save_at_end": False, "async_save": False},
+    )  # fmt: skip
+    env = {**torchrun_env(), "MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "0.2"}
+    result = subprocess.run(
+        torchrun_command(2, config), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    # Both ranks got past the index and stopped after step 1 with exit 3. Once the first rank exits,
+    # torchrun SIGTERMs the other, which may still be tearing down after the final barrier.
+    assert "stopped early (checkpoint saved)" in result.stdout, result.stderr[-4000:]
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr))
+    assert "3" in codes and codes <= {"3", "-15"}, result.stderr[-4000:]
+    built_in = float(re.search(r"datasets ready in ([\d.]+) s: 256,", result.stdout).group(1))
+    assert built_in > 12, f"the index built in {built_in} s, within the timeout: the test proves nothing"
