@@ -32,9 +32,16 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# A 1.2 GiB checkpoint (80M parameters with fp32 Adam state) for the save benchmark.
+CKPT_BENCH_MODEL = model.preset=small model.num_layers=6 model.hidden_size=1024 model.ffn_hidden_size=2816 \
+	model.num_attention_heads=16 model.num_query_groups=8
+
 bench: install
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/overhead.py
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/checkpoint_save.py model.preset=small
+	for layout in "4 parallel.tensor=2 parallel.pipeline=2" "2 parallel.tensor=1 parallel.pipeline=1" \
+	              "4 parallel.tensor=1 parallel.pipeline=1"; do set -- $$layout; nproc=$$1; shift; \
+	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/checkpoint_save.py --nproc $$nproc --repeats 3 \
+	    $(CKPT_BENCH_MODEL) "$$@" || exit 1; done
 
 # An offline install kit for a GPU node that already has torch (see README).
 PY ?= 3.12

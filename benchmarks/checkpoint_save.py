@@ -1,12 +1,16 @@
-"""Checkpoint save cost: how long training is blocked by an async save versus a synchronous one.
+"""Checkpoint cost: how long a save blocks training (async against sync), how long the whole save and
+a resume take, and what a background save costs the steps it overlaps, per optimizer format.
 
     python benchmarks/checkpoint_save.py [--nproc 4] [--repeats 3] [--config configs/demo.yaml] [k=v ...]
 
 Relaunches itself under torchrun, builds the model and distributed optimizer from the config, takes
-one training step (so Adam's state exists), then saves the same state with checkpoint.async_save
-off and on, into a scratch save dir. Prints the median blocking time of each and, for async, the
-time until the background write and completion record were done. Needs the config's data
-(``make demo`` prepares the default's).
+one training step (so Adam's state exists), then for each of megatron's optimizer formats
+(``checkpoint.optimizer_format``) saves the same state ``repeats + 1`` times synchronously and as
+many times asynchronously into a scratch dir. The first save of each kind also validates the
+sharding and builds megatron's plans, which later saves reuse, so medians are over the later ones.
+Then it times a resume from the last checkpoint with ``checkpoint.fully_parallel_load`` off and
+on, and the training step alone against a step while an async save is written. Needs the
+config's data (``make demo`` prepares the default's).
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ from pathlib import Path
 
 from torchrun_self import relaunch
 
+FORMATS = ("dp_reshardable", "fully_reshardable")
+
 
 def worker(args) -> None:
     import torch
 
     from megatron_train import runtime
     from megatron_train.checkpoint.manager import Checkpointer
-    from megatron_train.checkpoint.state import Progress
+    from megatron_train.checkpoint.state import Layout, Progress
     from megatron_train.data import batch_iterator, build_datasets
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
@@ -42,42 +48,75 @@ def worker(args) -> None:
     optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
     train_ds, _ = build_datasets(cfg, str(Path(args.scratch) / "data_cache"))
-    stepper.train_step([batch_iterator(train_ds, 0, cfg) for _ in model])
+    batches = [batch_iterator(train_ds, 0, cfg) for _ in model]
+    stepper.train_step(batches)
     progress = Progress(iteration=1, consumed_samples=cfg.train.global_batch_size)
+    save_dir = Path(args.scratch) / "ckpt"
 
-    results = {}
-    for async_save in (False, True):
-        options = dataclasses.replace(
-            cfg.checkpoint, async_save=async_save, keep_last=1, save_dir=str(Path(args.scratch) / "ckpt")
-        )
-        checkpointer = Checkpointer(dataclasses.replace(cfg, checkpoint=options), rt.is_main, lambda _: None)
-        checkpointer.start_writer()
-        blocking, total = [], []
-        for repeat in range(args.repeats + 1):
+    def checkpointer(**options) -> Checkpointer:
+        c = dataclasses.replace(cfg.checkpoint, keep_last=1, save_dir=str(save_dir), **options)
+        made = Checkpointer(dataclasses.replace(cfg, checkpoint=c), rt.is_main, lambda _: None)
+        made.start_writer()
+        return made
+
+    def timed_step() -> float:
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        stepper.train_step(batches)
+        return time.perf_counter() - start
+
+    iteration = 0
+    rows = {}
+    for fmt in FORMATS:
+        row = {}
+        for async_save in (False, True):
+            saver = checkpointer(async_save=async_save, optimizer_format=fmt)
+            blocking, total = [], []
+            for repeat in range(args.repeats + 1):
+                iteration += 1
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                saver.save(iteration, model, optimizer, scheduler, progress)
+                saved = time.perf_counter()
+                saver.wait()
+                done = time.perf_counter()
+                if repeat:
+                    blocking.append(saved - start)
+                    total.append(done - start)
+            if async_save:  # steps while the next save is written in the background
+                alone = statistics.median(timed_step() for _ in range(args.repeats))
+                iteration += 1
+                saver.save(iteration, model, optimizer, scheduler, progress)
+                overlapped = [timed_step() for _ in range(args.repeats)]
+                saver.wait()
+                row["step"] = (alone, statistics.median(overlapped))
+            saver.close()
+            saver.release()
+            row["async" if async_save else "sync"] = (statistics.median(blocking), statistics.median(total))
+        latest = max(save_dir.glob("iter_*"))
+        row["size"] = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
+        for parallel in (False, True):
+            loader = checkpointer(fully_parallel_load=parallel, async_save=False)
             torch.distributed.barrier()
             start = time.perf_counter()
-            checkpointer.save(repeat + 1, model, optimizer, scheduler, progress)
-            saved = time.perf_counter()
-            checkpointer.wait()
-            done = time.perf_counter()
-            if repeat:  # the first save also builds megatron's cached save plan
-                blocking.append(saved - start)
-                total.append(done - start)
-        checkpointer.close()
-        checkpointer.release()
-        results[async_save] = (statistics.median(blocking), statistics.median(total))
+            loader.load(latest, model, optimizer, scheduler)
+            torch.distributed.barrier()
+            row["load_parallel" if parallel else "load"] = time.perf_counter() - start
+        rows[fmt] = row
+
     if rt.is_main:
-        size = sum(p.stat().st_size for p in (Path(args.scratch) / "ckpt").rglob("*") if p.is_file())
         params = sum(p.numel() for chunk in model for p in chunk.parameters())
-        print(f"layout TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} world={rt.world_size} "
-              f"device={rt.device.type} | rank 0 holds {params:,} params | "
-              f"checkpoint {size / 2**20:.1f} MiB | median of {args.repeats}")  # fmt: skip
-        sync_block, _ = results[False]
-        async_block, async_total = results[True]
-        print(f"sync save : training blocked {sync_block:7.2f} s")
-        print(f"async save: training blocked {async_block:7.2f} s "
-              f"(written and recorded after {async_total:.2f} s)")  # fmt: skip
-        print(f"async blocks training {100 * async_block / sync_block:.0f}% as long as sync")
+        print(f"layout {Layout.current().describe()} on {rt.world_size} {rt.device.type} ranks | "
+              f"rank 0 holds {params:,} params | median of saves 2..{args.repeats + 1}")  # fmt: skip
+        print(f"{'optimizer format':18} {'size MiB':>8} {'sync s':>7} {'async blocks s':>14} "
+              f"{'blocked %':>9} {'async total s':>13} {'save MiB/s':>10} {'load s':>6} "
+              f"{'load ||  s':>10} {'step s':>6} {'step+save s':>11}")  # fmt: skip
+        for fmt, row in rows.items():
+            (sync, _), (blocked, total), (alone, overlapped) = row["sync"], row["async"], row["step"]
+            mib = row["size"] / 2**20
+            print(f"{fmt:18} {mib:8.1f} {sync:7.2f} {blocked:14.2f} {100 * blocked / sync:8.1f}% "
+                  f"{total:13.2f} {mib / sync:10.0f} {row['load']:6.2f} {row['load_parallel']:10.2f} "
+                  f"{alone:6.2f} {overlapped:11.2f}")  # fmt: skip
     runtime.shutdown()
 
 

@@ -108,7 +108,7 @@ def check_save(out: Path, log: Path) -> list[tuple[bool, str]]:
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     (out / "checkpoint_save.log").write_text(bench.stdout + bench.stderr)
-    lines = [x for x in bench.stdout.splitlines() if "save" in x or "layout" in x]
+    lines = [x for x in bench.stdout.splitlines() if "reshardable" in x or "layout" in x]
     return [(bench.returncode == 0 and len(lines) >= 3, "checkpoint save: " + " | ".join(lines))]
 
 

@@ -315,6 +315,19 @@ class CheckpointConfig:
     """Keep this many newest complete checkpoints; 0 keeps all."""
     keep_every: NonNegativeInt = 0
     """Also keep every checkpoint whose step is a multiple of this, forever; 0 disables it."""
+    optimizer_format: Literal["auto", "dp_reshardable", "fully_reshardable"] = "auto"
+    """How the distributed optimizer's state is stored. ``dp_reshardable``: each data-parallel
+    rank writes its own shard, no gathering (fastest; resumable at any DP size, same TP / PP /
+    VPP). ``fully_reshardable``: gathered into per-parameter tensors (resumable at any layout;
+    the save gathers over data-parallel ranks). ``auto``: interval saves dp_reshardable, the
+    end-of-run and stop saves (the ones a new layout resumes from) fully_reshardable."""
+    fully_parallel_save: bool = True
+    """Spread the writing of tensors every data-parallel rank holds (the weights) over those
+    ranks, instead of the first one writing all of them."""
+    fully_parallel_load: bool = False
+    """Each data-parallel rank reads a share of the tensors they all need and the ranks exchange
+    the rest, instead of every rank reading all of it: for shared filesystems where reading
+    dominates (off by default, as in Megatron-LM; slower where the files sit in the page cache)."""
     checksums: bool = True
     """Record a SHA-256 of every file in the completion record (computed in the background)."""
     verify_checksums: bool = False

@@ -85,13 +85,15 @@ def init_optimizer_state(opt: DistributedOptimizer) -> None:
 
 @contextlib.contextmanager
 def keeping_torch_adam_step(optimizer: Any) -> Iterator[None]:
-    """Load a ``fully_reshardable`` optimizer state into torch's Adam (no apex / TE).
+    """Load a distributed optimizer state into torch's Adam (no apex / TE).
 
     0.16: megatron restores Adam's per-parameter ``step`` from the param groups, then its private
-    ``_set_main_param_and_optimizer_states`` copies every state entry from the loaded tensors,
-    which lack ``step`` (KeyError). The step already in place is handed back as its own source.
-    On exit every parameter gets its own ``step`` tensor: the same path leaves one shared tensor,
-    which torch's Adam would then increment once per parameter.
+    ``_set_main_param_and_optimizer_states`` copies every state entry from the loaded tensors.
+    A ``fully_reshardable`` state lacks ``step`` (KeyError); a ``dp_reshardable`` one carries the
+    step the fresh optimizer had when the load was requested, which would overwrite the restored
+    one (Adam's bias correction then restarts). Either way the step already in place is handed
+    back as its own source. On exit every parameter gets its own ``step`` tensor: the same path
+    leaves one shared tensor, which torch's Adam would then increment once per parameter.
     """
     patched = distributed_optimizers(optimizer)
     for opt in patched:
@@ -101,7 +103,7 @@ def keeping_torch_adam_step(optimizer: Any) -> Iterator[None]:
             group_index, group_order = opt.model_param_group_index_map[model_param]
             main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
             step = opt.optimizer.state[main_param].get("step")
-            if step is not None and "step" not in tensors:
+            if step is not None:
                 tensors = {**tensors, "step": step}
             original(model_param, tensors)
 

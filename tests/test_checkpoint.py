@@ -117,13 +117,16 @@ def test_reshard_on_resume_changes_layout_and_world_size(tmp_path, corpus):
         tmp_path / "base",
         optimizer=SMALL_LR,
         train=train,
-        checkpoint={"interval": 3},
+        checkpoint={"interval": 3, "optimizer_format": "fully_reshardable"},
     )
     result = torchrun(8, base, "parallel.tensor=2", "parallel.pipeline=2")
     assert result.returncode == 0, result.stderr[-4000:]
     expected = {r["step"]: r["loss"] for r in records(tmp_path / "base") if "loss" in r}
 
-    for name, nproc, layout in [("tp1pp1dp1", 1, []), ("tp1pp1dp4", 4, [])]:
+    for name, nproc, layout in [
+        ("tp1pp1dp1", 1, []),
+        ("tp1pp1dp4", 4, ["checkpoint.fully_parallel_load=true"]),
+    ]:
         run_dir = tmp_path / name
         shutil.copytree(
             tmp_path / "base" / "checkpoints" / "iter_0000003", run_dir / "checkpoints" / "iter_0000003"
@@ -136,6 +139,44 @@ def test_reshard_on_resume_changes_layout_and_world_size(tmp_path, corpus):
         assert sorted(got) == [4, 5, 6], "resumed runs continue at the next global sample"
         for step, loss in got.items():
             assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"{name} step {step}"
+
+
+def test_interval_saves_resume_at_any_dp_size_and_refuse_another_model_split(tmp_path, corpus):
+    """``optimizer_format=auto``: interval saves keep each DP rank's optimizer shard as is
+    (dp_reshardable), the end-of-run save is fully_reshardable."""
+    train = {"steps": 6, "micro_batch_size": 1, "eval_interval": 0}
+    base = write_config(tmp_path / "base.yaml", corpus, tmp_path / "base", optimizer=SMALL_LR, train=train,
+                        checkpoint={"interval": 3})  # fmt: skip
+    result = torchrun(2, base)
+    assert result.returncode == 0, result.stderr[-4000:]
+    save_dir = tmp_path / "base" / "checkpoints"
+    commons = [torch.load(files.iteration_dir(save_dir, i) / "common.pt", weights_only=True) for i in (3, 6)]
+    formats = [common["optimizer_format"] for common in commons]
+    assert formats == ["dp_reshardable", "fully_reshardable"]
+    expected = {r["step"]: r["loss"] for r in records(tmp_path / "base") if "loss" in r}
+
+    for name, nproc, layout in [
+        ("dp4", 4, ["checkpoint.fully_parallel_load=true"]),
+        ("tp2", 2, ["parallel.tensor=2"]),
+    ]:
+        run_dir = tmp_path / name
+        shutil.copytree(files.iteration_dir(save_dir, 3), files.iteration_dir(run_dir / "checkpoints", 3))
+        config = write_config(tmp_path / f"{name}.yaml", corpus, run_dir, optimizer=SMALL_LR, train=train)
+        resumed = torchrun(nproc, config, *layout)
+        if name == "dp4":
+            assert resumed.returncode == 0, resumed.stderr[-4000:]
+            assert "resharded from TP1 x PP1 x VPP1 x DP2 to TP1 x PP1 x VPP1 x DP4" in resumed.stdout
+            got = {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+            assert sorted(got) == [4, 5, 6]
+            for step, loss in got.items():
+                assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"step {step}"
+        else:
+            errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1, resumed.stderr[-3000:]
+            assert "(dp_reshardable), which resumes only at TP1 x PP1 x VPP1 (any DP)" in errors[0]
+            assert "[rank" not in resumed.stderr, "a rank printed a traceback"
+            assert "exitcode  : 2" in resumed.stderr
+            assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus):

@@ -41,6 +41,16 @@ def test_private_names_we_use_still_exist():
     assert "_get_cuda_rng_state" in tracker_fork and "_set_cuda_rng_state" in tracker_fork
 
 
+def test_dp_reshardable_load_still_copies_the_requested_step_with_autograd_on():
+    """What ``state.load_optimizer`` (no_grad) and ``keeping_torch_adam_step`` (the step in place)
+    work around; a bitwise resume from a dp_reshardable save (test_checkpoint) shows they work."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    source = inspect.getsource(DistributedOptimizer.load_parameter_state_from_dp_reshardable)
+    assert "no_grad" not in source, "megatron now loads dp_reshardable states without autograd"
+    assert "step" not in source, "megatron now leaves Adam's step out of dp_reshardable loads"
+
+
 SCRIPT = textwrap.dedent(
     """
     import torch

@@ -19,7 +19,7 @@ from megatron_train.checkpoint.files import CheckpointError
 
 
 def _describe_common(path: Path) -> list[str]:
-    from megatron_train.checkpoint.state import read_common
+    from megatron_train.checkpoint.state import optimizer_format, read_common
 
     common = read_common(path)
     progress, layout, cfg = common["progress"], common["layout"], common["config"]
@@ -29,7 +29,7 @@ def _describe_common(path: Path) -> list[str]:
         f"({progress['consumed_samples']:,} samples consumed, {progress['skipped_steps']} skipped steps)",
         f"written by:  megatron-train {common.get('version', '?')} at TP{layout['tensor']} x "
         f"PP{layout['pipeline']} x VPP{layout['virtual_pipeline']} x DP{layout['data']} "
-        f"({layout['world_size']} ranks)",
+        f"({layout['world_size']} ranks); optimizer state {optimizer_format(common)}",
         f"model:       {m.get('preset') or 'custom'}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
         f"ffn {m['ffn_hidden_size']}, {m['num_attention_heads']} heads / "
         f"{m['num_query_groups'] or m['num_attention_heads']} kv groups, vocab {m['vocab_size']}",

@@ -21,8 +21,10 @@ from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 from megatron_train import megatron_compat
 from megatron_train.checkpoint import files
@@ -38,6 +40,7 @@ from megatron_train.checkpoint.state import (
     load_weights,
     metadata,
     model_state,
+    optimizer_format,
     read_common,
     read_sharded,
     read_tensor_metadata,
@@ -110,6 +113,7 @@ class Checkpointer:
         self._recorder: threading.Thread | None = None
         self._recorder_error: BaseException | None = None
         self._warmup: threading.Thread | None = None
+        self._strategies: dict[str, object] = {}
 
     def start_writer(self) -> None:
         """Start the background writer's process while the data is built (async saves only);
@@ -146,9 +150,16 @@ class Checkpointer:
             path.mkdir(parents=True)
         torch.distributed.barrier()
         common = metadata(self.cfg, Layout.current())
+        fmt = self._format_for(why)
+        first_of_its_kind = fmt not in self._strategies
         with gathered_params(model):
-            state = full_state(model, optimizer, scheduler, progress, common, is_loading=False)
-            request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+            state = full_state(model, optimizer, scheduler, progress, common, is_loading=False, fmt=fmt)
+            # A run's state has one structure per format: the first save checks that every shard
+            # is written exactly once and caches megatron's plans; later saves reuse them.
+            request = dist_checkpointing.save(
+                state, str(path), self._save_strategy(fmt), validate_access_integrity=first_of_its_kind,
+                async_sharded_save=True,
+            )  # fmt: skip
         request.add_finalize_fn(lambda: self._finalize(iteration, path, start, record_fields(common)))
         if self._queue is not None:
             self._queue.schedule_async_request(request)
@@ -159,6 +170,24 @@ class Checkpointer:
         self.log(
             f"checkpoint step {iteration} ({why}): {kind} save started, blocked training {blocked:.2f} s"
         )
+
+    def _format_for(self, why: str) -> str:
+        """The optimizer format of a save made for reason ``why`` (``checkpoint.optimizer_format``)."""
+        if self.options.optimizer_format != "auto":
+            return self.options.optimizer_format
+        return "fully_reshardable" if why in ("stop", "end of run") else "dp_reshardable"
+
+    def _save_strategy(self, fmt: str):
+        """megatron's torch_dist writer for format ``fmt``, kept for the run so its plans are cached,
+        spread over the data-parallel ranks when ``checkpoint.fully_parallel_save``."""
+        if fmt not in self._strategies:
+            strategy = get_default_save_sharded_strategy()
+            strategy.use_cached_ckpt_structure = True
+            group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            if self.options.fully_parallel_save and group.size() > 1:
+                strategy = FullyParallelSaveStrategyWrapper(strategy, group, do_cache_distribution=True)
+            self._strategies[fmt] = strategy
+        return self._strategies[fmt]
 
     def _finalize(self, iteration: int, path: Path, start: float, extra: dict) -> None:
         """Runs on every rank once all ranks' files are written (megatron's finalize hook)."""
@@ -246,12 +275,29 @@ class Checkpointer:
             return Progress(iteration=0, consumed_samples=0)
         check_architecture(model_state(model), read_tensor_metadata(path))
         saved, now = Layout(**common["layout"]), Layout.current()
-        state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True)
+        fmt = optimizer_format(common)
+        if fmt == "dp_reshardable" and not saved.same_model_split(now):
+            raise CheckpointError(
+                f"{path} holds its optimizer state per data-parallel shard (dp_reshardable), which "
+                f"resumes only at TP{saved.tensor} x PP{saved.pipeline} x VPP{saved.virtual_pipeline} "
+                f"(any DP), not {now.describe()}: resume at that layout, or from an end-of-run or stop "
+                "save (always fully_reshardable), or set checkpoint.finetune=true to take only its weights"
+            )
+        state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True, fmt=fmt)
         if saved != now:
             del state["rng_state"]
-        loaded = read_sharded(state, path)
+        loaded = read_sharded(state, path, parallel=self.options.fully_parallel_load)
         load_model(model, loaded)
-        load_optimizer(optimizer, loaded["optimizer"])
+        try:
+            load_optimizer(optimizer, loaded["optimizer"])
+        except AssertionError as err:  # megatron asserts that dp_reshardable buckets match
+            if fmt != "dp_reshardable":
+                raise
+            raise CheckpointError(
+                f"{path}: its per-shard (dp_reshardable) optimizer state does not fit this run's "
+                f"gradient buckets ({err}); resume with the ddp.bucket_size it was saved with, or "
+                "from an end-of-run or stop save"
+            ) from err
         scheduler.load_state_dict(loaded["scheduler"])
         progress = Progress(**loaded["progress"])
         if saved == now:

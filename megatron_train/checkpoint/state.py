@@ -1,7 +1,8 @@
 """What a checkpoint holds, as megatron-core sharded state dicts, and putting it back.
 
-Model chunks and the distributed optimizer's state (in megatron's ``fully_reshardable``
-form) are ShardedTensors, so they reshard to any TP / PP / VPP / DP on load. The scheduler,
+Model chunks are ShardedTensors, so they reshard to any TP / PP / VPP / DP on load. The
+distributed optimizer's state is in one of megatron's two forms (``checkpoint.optimizer_format``),
+recorded in the checkpoint so the load asks for the same form. The scheduler,
 progress counters, config and layout are common state (rank 0 writes them). Each rank's RNG
 states are a ShardedObject indexed by global rank; they are restored only when the layout is
 unchanged (otherwise the ranks' streams have no counterpart).
@@ -18,17 +19,16 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
 from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.config import ExperimentConfig, to_dict
 
-_OPTIMIZER_METADATA = {
-    # Canonical per-parameter optimizer state: loadable at any DP / TP / PP.
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "chained_optim_avoid_prefix": True,
-}
+# What checkpoints written before the format was recorded hold.
+_FORMAT_BEFORE_RECORDING = "fully_reshardable"
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,12 @@ class Layout:
             data=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
             world_size=torch.distributed.get_world_size(),
         )
+
+    def same_model_split(self, other: Layout) -> bool:
+        """Whether both split the model the same way (they may differ in data parallelism)."""
+        return (self.tensor, self.pipeline, self.virtual_pipeline) == (
+            other.tensor, other.pipeline, other.virtual_pipeline,
+        )  # fmt: skip
 
     def describe(self) -> str:
         """``TP2 x PP2 x VPP1 x DP2``."""
@@ -108,9 +114,18 @@ def restore_rng(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _model_metadata() -> dict:
+def _sharding_metadata(fmt: str = _FORMAT_BEFORE_RECORDING) -> dict:
     dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return {**_OPTIMIZER_METADATA, "dp_cp_group": dp_cp_group}
+    return {
+        "distrib_optim_sharding_type": fmt,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": dp_cp_group,
+    }
+
+
+def optimizer_format(common: dict) -> str:
+    """The form a checkpoint's optimizer state was saved in (from :func:`read_common`)."""
+    return common.get("optimizer_format", _FORMAT_BEFORE_RECORDING)
 
 
 def _corrupt(what: Path, err: BaseException) -> CheckpointError:
@@ -151,13 +166,21 @@ def read_tensor_metadata(path: Path) -> dict[str, ShardedTensor]:
         raise _corrupt(Path(path) / ".metadata", err) from err
 
 
-def read_sharded(sharded_state: dict, path: Path, partial: bool = False) -> dict:
+def read_sharded(sharded_state: dict, path: Path, partial: bool = False, parallel: bool = False) -> dict:
     """Load the tensors and objects ``sharded_state`` asks for (any layout), safely.
 
     ``partial`` allows asking for part of a tensor (one layer, say), which megatron's check
-    that the job's requests cover every tensor would otherwise refuse."""
+    that the job's requests cover every tensor would otherwise refuse. ``parallel`` has each
+    data-parallel rank read a share of what they all need and exchange the rest, instead of
+    every rank reading all of it."""
+    strategy = None
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True) if parallel else None
+    if group is not None and group.size() > 1:
+        strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), group)
     with safe_unpickling():
-        return dist_checkpointing.load(sharded_state, str(path), validate_access_integrity=not partial)
+        return dist_checkpointing.load(
+            sharded_state, str(path), strategy, validate_access_integrity=not partial
+        )
 
 
 def _unwrap(chunk):
@@ -167,7 +190,7 @@ def _unwrap(chunk):
 
 def model_state(model: list) -> dict:
     """The model chunks' sharded state dicts (``model`` or ``model0``, ``model1`` with VPP)."""
-    metadata = _model_metadata()
+    metadata = _sharding_metadata()
     if len(model) == 1:
         return {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
     return {f"model{i}": _unwrap(c).sharded_state_dict(metadata=metadata) for i, c in enumerate(model)}
@@ -182,16 +205,22 @@ def _materialize_optimizer_state(optimizer) -> None:
 
 def load_optimizer(optimizer, loaded: dict) -> None:
     """Put the loaded optimizer state (any layout) into this rank's optimizer."""
-    with megatron_compat.keeping_torch_adam_step(optimizer):
+    # megatron 0.16's dp_reshardable load copies into the main params with autograd on, which
+    # fails where they are the model's own fp32 parameters (its fully_reshardable load does not).
+    with torch.no_grad(), megatron_compat.keeping_torch_adam_step(optimizer):
         optimizer.load_state_dict(loaded)
 
 
-def full_state(model: list, optimizer, scheduler, progress: Progress, common: dict, is_loading: bool) -> dict:
-    """Everything a resumable checkpoint holds (``common`` is config, layout and version)."""
+def full_state(
+    model: list, optimizer, scheduler, progress: Progress, common: dict, is_loading: bool, fmt: str
+) -> dict:
+    """Everything a resumable checkpoint holds (``common`` is config, layout and version), with the
+    optimizer state in megatron's form ``fmt`` (``dp_reshardable`` or ``fully_reshardable``)."""
     state = model_state(model)
     if is_loading:
         _materialize_optimizer_state(optimizer)
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading, metadata=_model_metadata())
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading, metadata=_sharding_metadata(fmt))
+    state["optimizer_format"] = fmt
     state["scheduler"] = scheduler.state_dict()
     state["progress"] = asdict(progress)
     state.update(common)
