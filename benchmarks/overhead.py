@@ -64,8 +64,8 @@ def _bare(cfg, rt, steps: int) -> list[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_train.model import use_transformer_engine
-    from megatron_train.models.llama.model import transformer_config
-    from megatron_train.models.llama.specs import decoder_block_spec
+    from megatron_train.models.decoder import transformer_config
+    from megatron_train.models.specs import decoder_block_spec
 
     te = use_transformer_engine(cfg)
     config = transformer_config(cfg, rt.dtype, te)

@@ -120,6 +120,33 @@ class ModelConfig:
     """Share the input embedding and output projection weights."""
     qkv_bias: bool = False
     """Add a bias to the QKV projection (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's queries and keys before attention (Qwen3)."""
+    num_experts: PositiveInt | None = None
+    """Routed experts per layer: every MLP becomes megatron-core's mixture-of-experts layer
+    (dropless token routing). None keeps the dense SwiGLU MLP."""
+    moe_ffn_hidden_size: PositiveInt | None = None
+    """Inner width of each routed expert's SwiGLU; None means model.ffn_hidden_size."""
+    moe_router_topk: PositiveInt = 2
+    """Experts each token is routed to, at most model.num_experts."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router logits to weights: ``softmax`` over the chosen experts (Mixtral, Qwen3-MoE) or
+    ``sigmoid`` (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before choosing the top-k, so the chosen weights need not sum to
+    one (Switch Transformer; Qwen3-MoE with ``norm_topk_prob: false``). Required for top-1."""
+    moe_router_expert_bias: bool = False
+    """Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias that only affects which experts
+    are chosen, moved after each step towards equal loads. Needs the sigmoid score function."""
+    moe_router_bias_update_rate: PositiveFloat = 1e-3
+    """How far the expert bias moves per step (with model.moe_router_expert_bias)."""
+    moe_aux_loss_coeff: NonNegativeFloat = 0.0
+    """Weight of the Switch Transformer load-balancing loss (per micro-batch), added to the
+    language-model loss; 0 turns it off."""
+    moe_shared_expert_ffn_hidden_size: PositiveInt | None = None
+    """Inner width of a shared expert every token also passes through; None means none."""
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach experts on other expert-parallel ranks."""
     init_method_std: PositiveFloat = 0.02
     """Std of the normal initialisation; output projections are scaled by 1/sqrt(2*num_layers)."""
     hidden_dropout: Probability = 0.0
@@ -153,6 +180,11 @@ class ModelConfig:
     1 to the layers of one (virtual) pipeline stage."""
 
     @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Inner width of one routed expert."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
     def head_dim(self) -> int:
         """Per-head dimension."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
@@ -183,7 +215,10 @@ class ParallelConfig:
     context: PositiveInt = 1
     """Context-parallel size (Transformer Engine attention only)."""
     expert: PositiveInt = 1
-    """Expert-parallel size; only 1 is supported by the dense Llama models here."""
+    """Expert-parallel size: each rank holds model.num_experts / expert of the routed experts.
+    Expert ranks are carved from the data-parallel ranks (times TP, as in megatron-core)."""
+    expert_tensor: PositiveInt | None = None
+    """Tensor-parallel size inside each expert; None means parallel.tensor."""
 
 
 @dataclass
@@ -561,8 +596,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             f"{p.tensor} x {p.pipeline} x {p.context} = {model_parallel}",
             "launch a multiple of that many ranks or change parallel.tensor/pipeline/context",
         )
-    if p.expert != 1:
-        raise ConfigError("parallel.expert", "expert parallelism needs an MoE model", "set it to 1")
+    _validate_experts(m, p, world_size)
     groups = m.query_groups
     if m.num_attention_heads % p.tensor:
         raise ConfigError(
@@ -673,6 +707,62 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "checkpoint.finetune",
             "needs a checkpoint to take weights from",
             "set checkpoint.load to its path",
+        )
+
+
+def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> None:
+    if m.num_experts is None:
+        moe_keys = [f.name for f in dataclasses.fields(m) if f.name.startswith("moe_")]
+        changed = [k for k in moe_keys if getattr(m, k) != getattr(ModelConfig, k, None)]
+        if changed or p.expert != 1 or p.expert_tensor not in (None, p.tensor):
+            key = (
+                f"model.{changed[0]}"
+                if changed
+                else "parallel.expert"
+                if p.expert != 1
+                else "parallel.expert_tensor"
+            )
+            raise ConfigError(
+                key, "applies to mixture-of-experts models only", "set model.num_experts or remove it"
+            )
+        return
+    if m.moe_router_topk > m.num_experts:
+        raise ConfigError(
+            "model.moe_router_topk",
+            f"{m.moe_router_topk} exceeds model.num_experts={m.num_experts}",
+            "route each token to at most num_experts experts",
+        )
+    if m.moe_router_topk == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax:
+        raise ConfigError(
+            "model.moe_router_pre_softmax",
+            "must be true with top-1 softmax routing (a softmax over one chosen logit is constant)",
+            "set model.moe_router_pre_softmax=true or route to 2 or more experts",
+        )
+    if m.moe_router_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise ConfigError(
+            "model.moe_router_expert_bias",
+            "aux-loss-free balancing needs model.moe_router_score_function=sigmoid",
+            "set the score function to sigmoid or turn the expert bias off",
+        )
+    if m.num_experts % p.expert:
+        raise ConfigError(
+            "parallel.expert",
+            f"{m.num_experts} experts are not divisible over {p.expert} expert-parallel ranks",
+            "choose an expert-parallel size that divides model.num_experts",
+        )
+    etp = p.expert_tensor or p.tensor
+    if world_size % (etp * p.expert * p.pipeline):
+        raise ConfigError(
+            "parallel.expert",
+            f"world size {world_size} is not divisible by expert_tensor x expert x pipeline = "
+            f"{etp} x {p.expert} x {p.pipeline}",
+            "launch a multiple of that many ranks or change parallel.expert/expert_tensor",
+        )
+    if p.expert > 1 and p.tensor > 1 and not p.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            "must be true when expert and tensor parallelism are combined (megatron-core's rule)",
+            "set parallel.sequence_parallel=true",
         )
 
 

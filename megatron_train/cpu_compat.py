@@ -115,6 +115,29 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+_original_all_gather = torch.distributed.all_gather
+
+
+def _all_gather_uneven(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False):
+    """``all_gather`` into tensors whose first dimensions differ, which gloo refuses.
+
+    megatron's MoE token dispatcher gathers each rank's tokens over expert-TP ranks this way (the
+    token counts differ); NCCL accepts it. Rows are padded to the longest, gathered and trimmed.
+    """
+    trailing = {tuple(t.shape[1:]) for t in tensor_list} | {tuple(tensor.shape[1:])}
+    rows = {t.shape[0] for t in tensor_list} | {tensor.shape[0]}
+    if len(rows) == 1 or len(trailing) != 1 or async_op:
+        return _original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    longest = max(rows)
+    mine = tensor.new_zeros((longest, *tensor.shape[1:]))
+    mine[: tensor.shape[0]] = tensor
+    padded = [torch.empty_like(mine) for _ in tensor_list]
+    _original_all_gather(padded, mine, group=group)
+    for out, full in zip(tensor_list, padded):
+        out.copy_(full[: out.shape[0]])
+    return None
+
+
 def enable() -> None:
     """Redirect megatron-core's CUDA calls to the CPU. Idempotent; refuses when CUDA exists."""
     global _ENABLED
@@ -151,6 +174,7 @@ def enable() -> None:
         lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(), _set_cpu_rng_state
     )
 
+    torch.distributed.all_gather = _all_gather_uneven
     torch.Tensor.cuda = _tensor_cuda
     torch.Tensor.type = _tensor_type
     _CpuDeviceMode().__enter__()

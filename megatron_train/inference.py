@@ -1,4 +1,4 @@
-"""Forward passes outside training: a checkpoint's model at any TP / PP, logits on every rank.
+"""Forward passes outside training: a checkpoint's model at any TP / PP / EP, logits on every rank.
 
 The model is the training model (same specs, same megatron pipeline schedule in forward-only
 mode), built without DDP or optimizer and loaded from any complete checkpoint, imported ones
@@ -22,11 +22,13 @@ from megatron_train.resolve import at_layout
 from megatron_train.runtime import Runtime
 
 
-def checkpoint_config(path: Path, tensor: int, pipeline: int) -> tuple[Path, ExperimentConfig]:
+def checkpoint_config(
+    path: Path, tensor: int, pipeline: int, expert: int = 1
+) -> tuple[Path, ExperimentConfig]:
     """The complete checkpoint ``path`` names (a save dir's newest), and the config it was written
-    with moved to a TP x PP layout (no VPP / SP)."""
+    with moved to a TP x PP x EP layout (no VPP)."""
     path = files.resolve_explicit(Path(path))
-    return path, at_layout(read_common(path)["config"], tensor, pipeline)
+    return path, at_layout(read_common(path)["config"], tensor, pipeline, expert)
 
 
 def load_for_inference(path: Path, cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:

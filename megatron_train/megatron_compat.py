@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -173,3 +174,34 @@ def redirect_cuda_rng_state(get: Callable[..., torch.Tensor], set_: Callable[...
     """
     mcore_random._get_cuda_rng_state = get
     mcore_random._set_cuda_rng_state = set_
+
+
+def moe_router_without_transformer_engine() -> None:
+    """Let megatron's MoE router run without Transformer Engine.
+
+    0.16.1: ``moe_utils`` imports ``te_general_gemm`` only when TE imports, yet the router's
+    gating GEMM tests ``te_general_gemm is not None`` unconditionally (NameError without TE).
+    Defining it as None selects the plain ``torch.mm`` path it already has. Idempotent.
+    """
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_original_move_to_cpu = moe_utils.maybe_move_tensor_to_cpu
+
+
+def _move_to_cpu_as_asked(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    moved = _original_move_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    if as_numpy and torch.is_tensor(moved):
+        return moved.numpy()
+    return moved
+
+
+def moe_split_sizes_on_cpu() -> None:
+    """Give the alltoall token dispatcher's split sizes the form gloo accepts on CPU.
+
+    0.16.1: ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` converts to numpy only a CUDA tensor;
+    a CPU tensor comes back as a tensor, which ``all_to_all_single`` refuses as split sizes. On
+    GPU the sizes are already numpy; this makes CPU tensors follow the same path. Idempotent.
+    """
+    token_dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu_as_asked

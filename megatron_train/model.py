@@ -9,7 +9,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron_train.config import ExperimentConfig
 from megatron_train.errors import ConfigError
 from megatron_train.init import initialize_weights
-from megatron_train.megatron_compat import mark_tensor_parallel_weights, recompute_without_transformer_engine
+from megatron_train.megatron_compat import (
+    mark_tensor_parallel_weights,
+    moe_router_without_transformer_engine,
+    moe_split_sizes_on_cpu,
+    recompute_without_transformer_engine,
+)
 from megatron_train.models.registry import family_of
 from megatron_train.runtime import Runtime
 
@@ -55,6 +60,8 @@ def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     """This rank's model chunks on its device, not initialised and not wrapped."""
     family, te = family_of(cfg.model), use_transformer_engine(cfg)
     recompute_without_transformer_engine()
+    moe_router_without_transformer_engine()
+    moe_split_sizes_on_cpu()
     chunks = family.build_model_chunks(cfg, family.transformer_config(cfg, rt.dtype, te), te)
     for chunk in chunks:
         chunk.to(rt.device)

@@ -56,7 +56,7 @@ def build_config(raw: dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
     _apply_preset(raw)
     _apply_hf_architecture(raw)
     cfg = from_dict(ExperimentConfig, raw)
-    registry.family_of(cfg.model)
+    registry.family_of(cfg.model).check(cfg.model)
     return cfg
 
 
@@ -70,14 +70,16 @@ def imported_config(hf: dict, tensor: int, pipeline: int, vocab_pad_multiple: in
     return cfg
 
 
-def at_layout(saved: dict, tensor: int, pipeline: int) -> ExperimentConfig:
-    """A checkpoint's saved config moved to a TP x PP layout (no VPP / SP), for inference."""
+def at_layout(saved: dict, tensor: int, pipeline: int, expert: int = 1) -> ExperimentConfig:
+    """A checkpoint's saved config moved to a TP x PP x EP layout (no VPP), for inference on
+    ``tensor * pipeline * expert`` ranks (expert ranks come from data-parallel ones)."""
     cfg = from_dict(ExperimentConfig, saved)
     parallel = dataclasses.replace(
-        cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None, sequence_parallel=False
-    )
+        cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None,
+        sequence_parallel=tensor > 1 and expert > 1, expert=expert, expert_tensor=None,
+    )  # fmt: skip
     cfg = dataclasses.replace(cfg, parallel=parallel)
-    validate_options(cfg, tensor * pipeline)
+    validate_options(cfg, tensor * pipeline * expert)
     return cfg
 
 

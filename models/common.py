@@ -46,6 +46,8 @@ def shared_options(cfg: ExperimentConfig, params_dtype: torch.dtype, use_transfo
         virtual_pipeline_model_parallel_size=p.virtual_pipeline if (p.virtual_pipeline or 1) > 1 else None,
         sequence_parallel=p.sequence_parallel,
         context_parallel_size=p.context,
+        expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.expert_tensor or p.tensor,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

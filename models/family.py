@@ -6,6 +6,7 @@ these callables, so training, conversion, preflight and metrics stay family-agno
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,26 +20,44 @@ Getter = Callable[[str], torch.Tensor]
 """Reads one Hugging Face tensor by name."""
 
 
+Index = tuple[int, ...]
+"""Which slice of a stacked tensor: ``()`` for a whole tensor, ``(layer,)`` for one layer of a
+per-layer tensor, ``(layer, expert)`` for one routed expert of one layer."""
+
+
 @dataclass(frozen=True)
 class Tensor:
     """One of the model's global tensors as megatron's sharded state dict names it.
 
-    ``shape`` is one layer's slice for per-layer tensors (stacked on a leading layer axis in a
-    checkpoint) and the whole tensor otherwise; ``place`` is the pipeline stage that holds it.
+    ``shape`` is one slice: of one layer for per-layer tensors (stacked on a leading layer axis
+    in a checkpoint), of one expert of one layer for routed experts' tensors (stacked on layer
+    and expert axes), the whole tensor otherwise; ``place`` is the pipeline stage that holds it.
     """
 
     key: str
     shape: tuple[int, ...]
     place: Literal["first", "layers", "last"]
+    experts: int = 0
+    """The routed experts it is stacked over; 0 for every tensor outside the experts."""
 
     @property
     def per_layer(self) -> bool:
         """Stacked over layers."""
         return self.place == "layers"
 
+    def index_shape(self, num_layers: int) -> tuple[int, ...]:
+        """The leading axes a checkpoint stacks the slices on: (), (layers,) or (layers, experts)."""
+        if not self.per_layer:
+            return ()
+        return (num_layers, self.experts) if self.experts else (num_layers,)
+
+    def indices(self, num_layers: int) -> list[Index]:
+        """Every slice's index, in checkpoint order."""
+        return list(itertools.product(*(range(n) for n in self.index_shape(num_layers))))
+
     def global_shape(self, num_layers: int) -> tuple[int, ...]:
         """The checkpoint's shape of the tensor."""
-        return (num_layers, *self.shape) if self.per_layer else self.shape
+        return (*self.index_shape(num_layers), *self.shape)
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,8 @@ class Family:
     """Preset name -> ``model.*`` values."""
     hf_architectures: tuple[str, ...]
     """The config.json ``architectures`` entries this family reads."""
+    check: Callable[[ModelConfig], None]
+    """Raises ConfigError, naming the key, for an option this family's models do not have."""
     transformer_config: Callable[[ExperimentConfig, torch.dtype, bool], TransformerConfig]
     """megatron-core's TransformerConfig (the bool: Transformer Engine layers)."""
     build_model_chunks: Callable[[ExperimentConfig, TransformerConfig, bool], list[torch.nn.Module]]
@@ -80,16 +101,16 @@ class Family:
     """Differences from transformers worth a note but not a refusal."""
     hf_config: Callable[[ModelConfig, torch.dtype, dict], dict]
     """A config.json for a model trained here (the dict: bos / eos / pad token ids)."""
-    hf_names: Callable[[str, int | None], list[str]]
-    """The transformers tensors one of our tensors (one layer of it) is made of."""
-    to_megatron: Callable[[ModelConfig, str, int | None, Getter], torch.Tensor]
-    """Our tensor (one layer of it) from transformers' tensors."""
-    to_hf: Callable[[ModelConfig, str, int | None, torch.Tensor], dict[str, torch.Tensor]]
-    """transformers' tensors for our tensor (one layer of it)."""
+    hf_names: Callable[[str, Index], list[str]]
+    """The transformers tensors one slice of one of our tensors is made of."""
+    to_megatron: Callable[[ModelConfig, str, Index, Getter], torch.Tensor]
+    """One slice of our tensor from transformers' tensors."""
+    to_hf: Callable[[ModelConfig, str, Index, torch.Tensor], dict[str, torch.Tensor]]
+    """transformers' tensors for one slice of our tensor."""
 
     def parameters(self, m: ModelConfig) -> ParameterCount:
         """Parameter counts by stage, from :attr:`tensors` (tied embeddings counted once)."""
         totals = {"first": 0, "layers": 0, "last": 0}
         for tensor in self.tensors(m):
-            totals[tensor.place] += torch.Size(tensor.shape).numel()
+            totals[tensor.place] += torch.Size(tensor.shape).numel() * max(tensor.experts, 1)
         return ParameterCount(first=totals["first"], per_layer=totals["layers"], last=totals["last"])

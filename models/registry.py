@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from megatron_train.config import ModelConfig
 from megatron_train.errors import ConfigError, ConversionError
-from megatron_train.models import llama
+from megatron_train.models import llama, mixtral, qwen3
 from megatron_train.models.family import Family
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY,)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY, qwen3.FAMILY, mixtral.FAMILY)}
 
 
 def family_of(m: ModelConfig) -> Family:

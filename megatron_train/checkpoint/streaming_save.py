@@ -3,7 +3,7 @@
 ``dist_checkpointing.save`` needs every tensor in memory at once, which for an imported 70B model
 is the whole model. The files it writes are PyTorch Distributed Checkpoint (DCP) files plus
 megatron's ``metadata.json`` and ``common.pt``, so we write the same: a DCP save whose planner
-declares each per-layer slice as a chunk of the stacked global tensor (as a pipeline-parallel
+declares each per-layer (or per-expert) slice as a chunk of the stacked global tensor (as a pipeline-parallel
 save would) and produces its data only when the writer asks (``SavePlanner.resolve_data``, the
 hook DCP provides for lazy data). One file per chunk keeps the writer from holding a file's
 tensors together. megatron's loader then reads it at any TP / PP like any other checkpoint.
@@ -21,15 +21,15 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from megatron_train.megatron_compat import write_checkpoint_extras
-from megatron_train.models.family import Tensor
+from megatron_train.models.family import Index, Tensor
 
-Produce = Callable[[str, int | None], torch.Tensor]
+Produce = Callable[[str, Index], torch.Tensor]
 
 
 class _LazyPlanner(DefaultSavePlanner):
-    def __init__(self, items: list[WriteItem], layered: dict[str, bool], produce: Produce) -> None:
+    def __init__(self, items: list[WriteItem], stacked: dict[str, int], produce: Produce) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._items, self._layered, self._produce = items, layered, produce
+        self._items, self._stacked, self._produce = items, stacked, produce
 
     def create_local_plan(self) -> SavePlan:
         self.plan = SavePlan(self._items)
@@ -37,9 +37,9 @@ class _LazyPlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         key = write_item.index.fqn
-        if not self._layered[key]:
-            return self._produce(key, None)
-        return self._produce(key, write_item.tensor_data.chunk.offsets[0]).unsqueeze(0)
+        axes = self._stacked[key]
+        index = tuple(write_item.tensor_data.chunk.offsets[:axes])
+        return self._produce(key, index)[(None,) * axes]
 
 
 def _write_items(tensors: list[Tensor], num_layers: int, dtype: torch.dtype) -> list[WriteItem]:
@@ -47,10 +47,9 @@ def _write_items(tensors: list[Tensor], num_layers: int, dtype: torch.dtype) -> 
     items = []
     for t in tensors:
         size = torch.Size(t.global_shape(num_layers))
-        layers = range(num_layers) if t.per_layer else [None]
-        for layer in layers:
-            offsets = torch.Size((layer, *[0] * len(t.shape)) if t.per_layer else [0] * len(t.shape))
-            sizes = torch.Size((1, *t.shape) if t.per_layer else t.shape)
+        for index in t.indices(num_layers):
+            offsets = torch.Size((*index, *[0] * len(t.shape)))
+            sizes = torch.Size((*[1] * len(index), *t.shape))
             items.append(
                 WriteItem(
                     index=MetadataIndex(t.key, offsets),
@@ -64,19 +63,18 @@ def _write_items(tensors: list[Tensor], num_layers: int, dtype: torch.dtype) -> 
 def save_weights(
     ckpt_dir: Path, tensors: list[Tensor], num_layers: int, dtype: torch.dtype, produce: Produce, common: dict
 ) -> None:
-    """Write ``tensors`` (each layer from ``produce(key, layer)``) and ``common`` to ``ckpt_dir``.
+    """Write ``tensors`` (each slice from ``produce(key, index)``) and ``common`` to ``ckpt_dir``.
 
     Tensors are keyed by their sharded keys, as in a training checkpoint; ``common`` is the
     non-tensor state (config, progress, layout...). Needs a (one-rank) process group.
     """
     ckpt_dir.mkdir(parents=True)
 
-    def produce_cast(key: str, layer: int | None) -> torch.Tensor:
-        return produce(key, layer).to(dtype).contiguous()
+    def produce_cast(key: str, index: Index) -> torch.Tensor:
+        return produce(key, index).to(dtype).contiguous()
 
-    planner = _LazyPlanner(
-        _write_items(tensors, num_layers, dtype), {t.key: t.per_layer for t in tensors}, produce_cast
-    )
+    stacked = {t.key: len(t.index_shape(num_layers)) for t in tensors}
+    planner = _LazyPlanner(_write_items(tensors, num_layers, dtype), stacked, produce_cast)
     writer = dcp.FileSystemWriter(str(ckpt_dir), single_file_per_rank=False, thread_count=1)
     dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     write_checkpoint_extras(common, ckpt_dir)

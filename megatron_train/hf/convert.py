@@ -37,7 +37,7 @@ from megatron_train.hf.plan import export_plan, hf_shapes
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
 from megatron_train.init import fill_weights
 from megatron_train.inputs import check_output_dir
-from megatron_train.models.family import Family
+from megatron_train.models.family import Family, Index
 from megatron_train.models.registry import family_of
 from megatron_train.outputs import made_dir
 from megatron_train.resolve import imported_config
@@ -131,7 +131,7 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
         }
         save_weights(
             ckpt, family.tensors(m), m.num_layers, dtype,
-            lambda key, layer: family.to_megatron(m, key, layer, weights.get), common,
+            lambda key, index: family.to_megatron(m, key, index, weights.get), common,
         )  # fmt: skip
         (ckpt / SIDE_DIR).mkdir()
         for path in _side_files(hf_dir):
@@ -153,36 +153,33 @@ def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig) -> None:
     family = family_of(m)
     weights.check_shapes(hf_shapes(family, m))
 
-    def value(key: str, layer_index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        return family.to_megatron(m, key, layer_index[0] if layer_index else None, weights.get)
+    def value(key: str, index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        return family.to_megatron(m, key, index, weights.get)
 
     fill_weights(model, value)
 
 
 class _CheckpointTensors:
-    """One layer of one tensor at a time from a checkpoint, converted to transformers' tensors."""
+    """One slice of one tensor at a time from a checkpoint, converted to transformers' tensors."""
 
     def __init__(self, path: Path, family: Family, m: ModelConfig) -> None:
         self.path, self.family, self.m = path, family, m
         self.saved = read_tensor_metadata(path)
-        self.names = {name: (key, layer) for key, layer, names in export_plan(family, m) for name in names}
+        self.names = {name: (key, index) for key, index, names in export_plan(family, m) for name in names}
         self._pending: dict[str, torch.Tensor] = {}
 
-    def _read(self, key: str, layer: int | None) -> torch.Tensor:
+    def _read(self, key: str, index: Index) -> torch.Tensor:
         meta = self.saved[key]
-        shape = tuple(meta.global_shape)
-        if layer is None:
-            request = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=meta.dtype), replica_id=0)
-        else:
-            data = torch.empty((1, *shape[1:]), dtype=meta.dtype)
-            request = ShardedTensor.from_rank_offsets(key, data, (0, layer, shape[0]), replica_id=0)
-        loaded = read_sharded({"t": request}, self.path, partial=True)["t"]
-        return loaded[0] if layer is not None else loaded
+        shape, axes = tuple(meta.global_shape), len(index)
+        data = torch.empty((*[1] * axes, *shape[axes:]), dtype=meta.dtype)
+        offsets = [(axis, at, shape[axis]) for axis, at in enumerate(index)]
+        request = ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=0)
+        return read_sharded({"t": request}, self.path, partial=True)["t"][(0,) * axes]
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self._pending:
-            key, layer = self.names[name]
-            self._pending = self.family.to_hf(self.m, key, layer, self._read(key, layer))
+            key, index = self.names[name]
+            self._pending = self.family.to_hf(self.m, key, index, self._read(key, index))
         return self._pending.pop(name)
 
 

@@ -5,17 +5,23 @@ from __future__ import annotations
 import torch
 
 from megatron_train.config import ModelConfig
-from megatron_train.models.family import Family
+from megatron_train.models.family import Family, Index
 
 
-def export_plan(family: Family, m: ModelConfig) -> list[tuple[str, int | None, list[str]]]:
-    """(our key, layer, the transformers names it becomes), grouped by layer as transformers saves."""
+def export_plan(family: Family, m: ModelConfig) -> list[tuple[str, Index, list[str]]]:
+    """(our key, slice, the transformers names it becomes), grouped by layer as transformers saves."""
     tensors = family.tensors(m)
-    first = [(t.key, None) for t in tensors if t.place == "first"]
-    layered = [t.key for t in tensors if t.per_layer]
-    last = [(t.key, None) for t in tensors if t.place == "last"]
-    slots = first + [(key, layer) for layer in range(m.num_layers) for key in layered] + last
-    return [(key, layer, family.hf_names(key, layer)) for key, layer in slots]
+    first = [(t.key, ()) for t in tensors if t.place == "first"]
+    last = [(t.key, ()) for t in tensors if t.place == "last"]
+    layered = [
+        (t.key, index)
+        for layer in range(m.num_layers)
+        for t in tensors
+        if t.per_layer
+        for index in t.indices(m.num_layers)
+        if index[0] == layer
+    ]
+    return [(key, index, family.hf_names(key, index)) for key, index in first + layered + last]
 
 
 def hf_shapes(family: Family, m: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -23,6 +29,6 @@ def hf_shapes(family: Family, m: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {t.key: t.shape for t in family.tensors(m)}
     return {
         name: tuple(tensor.shape)
-        for key, layer, _ in export_plan(family, m)
-        for name, tensor in family.to_hf(m, key, layer, torch.empty(shapes[key], device="meta")).items()
+        for key, index, _ in export_plan(family, m)
+        for name, tensor in family.to_hf(m, key, index, torch.empty(shapes[key], device="meta")).items()
     }

@@ -1,4 +1,6 @@
-"""Llama-family decoders (Llama 2/3, Mistral, Qwen2) as megatron-core GPTModels."""
+"""Our decoders as megatron-core GPTModels: pre-norm RMSNorm, RoPE, grouped-query attention
+(optionally with QK-norm), and a SwiGLU MLP or a mixture of SwiGLU experts. Every family builds
+its models here; what differs between families is their presets and Hugging Face mapping."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_train.config import ExperimentConfig, ModelConfig
 from megatron_train.models.common import shared_options
-from megatron_train.models.llama.specs import decoder_block_spec
+from megatron_train.models.specs import decoder_block_spec
 
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -38,7 +40,31 @@ def transformer_config(
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
+        qk_layernorm=m.qk_norm,
+        **moe_options(m, use_transformer_engine),
         **shared_options(cfg, params_dtype, use_transformer_engine),
+    )
+
+
+def moe_options(m: ModelConfig, use_transformer_engine: bool) -> dict:
+    """``model.num_experts`` and ``model.moe_*`` as megatron-core's MoE options (dropless)."""
+    if m.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=m.num_experts,
+        moe_ffn_hidden_size=m.expert_ffn_hidden_size,
+        moe_router_topk=m.moe_router_topk,
+        moe_router_score_function=m.moe_router_score_function,
+        moe_router_pre_softmax=m.moe_router_pre_softmax,
+        moe_router_enable_expert_bias=m.moe_router_expert_bias,
+        moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+        moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        # Routing decisions in fp32 whatever the training precision (Megatron-LM's advice).
+        moe_router_dtype="fp32",
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_ffn_hidden_size,
+        moe_token_dispatcher_type=m.moe_token_dispatcher,
+        moe_grouped_gemm=use_transformer_engine,
     )
 
 

@@ -1,0 +1,126 @@
+"""What every family's ``config.json`` reading and writing shares: the Llama-style fields
+(sizes, norms, RoPE, tied embeddings) every supported architecture has, and refusing a field
+whose value our model would not compute identically, naming that field."""
+
+from __future__ import annotations
+
+from megatron_train.config import ModelConfig
+from megatron_train.errors import ConversionError
+
+# megatron-core's Llama-3.1 RoPE scaling hard-codes these (rotary_pos_embedding._apply_scaling).
+LLAMA3_ROPE_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+_REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+             "max_position_embeddings", "vocab_size")  # fmt: skip
+
+
+def refuse(field: str, value, why: str) -> None:
+    """Raise the one-line refusal of a config.json value."""
+    raise ConversionError(f"config.json {field}={value!r}: {why}")
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    """(theta, scaling dict or None) from transformers 5's ``rope_parameters`` or 4's fields."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        scaling = None if params.get("rope_type", "default") == "default" else params
+        return params.get("rope_theta", 10000.0), scaling
+    return hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+
+
+def integer(hf: dict, key: str, default: int | None = None) -> int:
+    """An integer field (ConversionError when absent without a default, or not an integer)."""
+    value = hf.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConversionError(f"config.json lacks integer field {key!r} (found {value!r})")
+    return value
+
+
+def common_options(hf: dict, family: str) -> dict:
+    """Our ``model.*`` options for the fields every supported architecture shares."""
+    missing = [key for key in _REQUIRED if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool)]
+    if missing:
+        raise ConversionError(f"config.json lacks integer field(s) {missing}; it is not a complete config")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", hf["hidden_act"], "only SwiGLU (silu) MLPs are supported")
+    if hf.get("mlp_bias"):
+        refuse("mlp_bias", True, "MLP biases are not supported")
+    theta, scaling = _rope(hf)
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type != "llama3":
+            refuse("rope_scaling", scaling, "only Llama-3.1 ('llama3') RoPE scaling is supported")
+        for key, fixed in LLAMA3_ROPE_FIXED.items():
+            if float(scaling.get(key, fixed)) != fixed:
+                refuse(f"rope_scaling.{key}", scaling[key], f"megatron-core fixes it at {fixed:g}")
+    if float(theta) != int(theta):
+        refuse("rope_theta", theta, "a non-integer RoPE base is not supported")
+    heads = hf["num_attention_heads"]
+    return {
+        "family": family,
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "ffn_hidden_size": hf["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "kv_channels": hf.get("head_dim"),
+        "max_position_embeddings": hf["max_position_embeddings"],
+        "vocab_size": hf["vocab_size"],
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rotary_base": int(theta),
+        "rope_scaling": scaling is not None,
+        "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def with_head_dim(options: dict) -> dict:
+    """``options`` with the head dimension recorded explicitly (transformers' default is ours),
+    so a saved config never depends on it."""
+    return {**options, "kv_channels": ModelConfig(**options).head_dim}
+
+
+def sliding_window_caveat(hf: dict, used_by_default: bool) -> list[str]:
+    """A note when config.json asks for sliding-window attention, which we do not model."""
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", used_by_default):
+        return [f"sliding_window={window} is not modelled: outputs match for sequences up to {window} tokens"]
+    return []
+
+
+def common_fields(m: ModelConfig, special_tokens: dict[str, int | None]) -> dict:
+    """The transformers config fields every supported architecture shares, RoPE included."""
+    rope = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    if m.rope_scaling:
+        rope = {**rope, "rope_type": "llama3", "factor": m.rope_scaling_factor, **LLAMA3_ROPE_FIXED}
+    return dict(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.query_groups,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=m.tie_embeddings,
+        hidden_act="silu",
+        rope_parameters=rope,
+        **special_tokens,
+    )
+
+
+def refuse_untranslatable_moe(m: ModelConfig, architecture: str) -> None:
+    """Refuse exporting router options ``architecture`` has no field for (ConversionError)."""
+    if m.moe_router_score_function != "softmax":
+        raise ConversionError(f"{architecture} routes with softmax; this model uses sigmoid scores")
+    if m.moe_router_expert_bias:
+        raise ConversionError(f"{architecture} has no expert bias (model.moe_router_expert_bias)")
+    if m.moe_shared_expert_ffn_hidden_size:
+        raise ConversionError(
+            f"{architecture} has no shared expert (model.moe_shared_expert_ffn_hidden_size)"
+        )
