@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
+from megatron.core.transformer.moe.router import TopKRouter
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
@@ -205,3 +206,37 @@ def moe_split_sizes_on_cpu() -> None:
     GPU the sizes are already numpy; this makes CPU tensors follow the same path. Idempotent.
     """
     token_dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu_as_asked
+
+
+_original_attach_aux_loss = TopKRouter.attach_and_log_load_balancing_loss
+
+
+def _attach_aux_loss_per_sequence(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+                                  reduce_group_has_dp=False, valid_token_count=None):  # fmt: skip
+    if self.calculate_per_token_loss and self.config.sequence_parallel:
+        tokens = activation.shape[0] if valid_token_count is None else valid_token_count
+        valid_token_count = tokens * self.tp_group.size()
+    return _original_attach_aux_loss(
+        self,
+        activation,
+        aux_loss_coeff,
+        aux_loss,
+        aux_loss_name,
+        reduce_group,
+        reduce_group_has_dp,
+        valid_token_count,
+    )
+
+
+def moe_aux_loss_under_sequence_parallel() -> None:
+    """Give the load-balancing loss its full gradient under sequence parallelism.
+
+    0.16.1: with ``calculate_per_token_loss`` each rank multiplies its share of the aux loss by the
+    tokens it holds, to cancel ``finalize_model_grads`` dividing by the language-model loss's token
+    count. That count includes every token of a sequence once per TP rank, but under sequence
+    parallelism a rank holds 1/TP of them, so the aux-loss gradient comes out TP times too small
+    (measured: TP2 + SP with coefficient 2c trains exactly like one rank with c). The sequence's
+    whole token count is used instead. Context parallelism is unaffected (its ranks count their
+    own tokens on both sides). Idempotent.
+    """
+    TopKRouter.attach_and_log_load_balancing_loss = _attach_aux_loss_per_sequence

@@ -51,6 +51,27 @@ def test_dp_reshardable_load_still_copies_the_requested_step_with_autograd_on():
     assert "step" not in source, "megatron now leaves Adam's step out of dp_reshardable loads"
 
 
+def test_moe_workarounds_are_still_needed():
+    """What the MoE entries work around; test_moe's expert-parallel layouts (EP2 x TP2 with
+    sequence parallelism among them) equal one rank only with them in place."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE:
+        source = inspect.getsource(moe_utils)
+        assert "te_general_gemm is not None" in source and "te_general_gemm = None" not in source, (
+            "megatron now defines te_general_gemm without Transformer Engine"
+        )
+    moved = megatron_compat._original_move_to_cpu(torch.tensor([1, 2]), as_numpy=True)
+    assert torch.is_tensor(moved), "megatron now hands CPU split sizes back as numpy"
+    attach = inspect.getsource(megatron_compat._original_attach_aux_loss)
+    assert (
+        "else activation.shape[0]" in attach
+        and "tp_group" not in attach
+        and "sequence_parallel" not in attach
+    ), "megatron now scales the load-balancing loss for sequence parallelism itself"
+
+
 SCRIPT = textwrap.dedent(
     """
     import torch

@@ -1,0 +1,75 @@
+"""Mixture of experts through megatron-core's MoELayer over gloo: every expert-parallel layout
+trains like one rank, checkpoints move between layouts, and the router's numbers are logged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import records, torchrun, train_losses, write_config
+
+pytestmark = pytest.mark.slow
+
+# Dropless routing in fp32; a load-balancing loss and a shared expert so both take part.
+MOE = {"preset": "qwen3-moe-tiny", "max_position_embeddings": 128, "moe_aux_loss_coeff": 0.01,
+       "moe_shared_expert_ffn_hidden_size": 64}  # fmt: skip
+SMALL_LR = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2}
+STEPS = {"steps": 10, "eval_interval": 0}
+
+
+def moe_config(tmp_path: Path, corpus, name: str, **model) -> Path:
+    return write_config(
+        tmp_path / f"{name}.yaml", corpus, tmp_path / name,
+        model={**MOE, **model}, optimizer=SMALL_LR, train=STEPS,
+    )  # fmt: skip
+
+
+def grad_norms(run_dir: Path) -> list[float]:
+    return [r["grad_norm"] for r in records(run_dir) if "grad_norm" in r]
+
+
+def assert_same_run(expected: Path, got: Path) -> None:
+    for what, a, b in [("loss", train_losses(expected), train_losses(got)),
+                       ("grad norm", grad_norms(expected), grad_norms(got))]:  # fmt: skip
+        assert len(a) == len(b) == STEPS["steps"], what
+        for step, (e, g) in enumerate(zip(a, b), start=1):
+            assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {what} {g} vs single-rank {e}"
+
+
+@pytest.fixture(scope="module")
+def moe_baseline(tmp_path_factory, corpus) -> Path:
+    d = tmp_path_factory.mktemp("moe_baseline")
+    result = torchrun(1, moe_config(d, corpus, "run"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return d / "run"
+
+
+LAYOUTS = [
+    # (ranks, overrides): EP ranks come from data-parallel ranks, times TP.
+    (2, ["parallel.expert=2"]),
+    (4, ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    (4, ["parallel.expert=2", "parallel.pipeline=2"]),
+    (4, ["parallel.expert=4", "model.moe_token_dispatcher=allgather"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("nproc", "overrides"), LAYOUTS, ids=lambda v: "-".join(v) if isinstance(v, list) else None
+)
+def test_expert_parallel_layout_matches_single_rank(tmp_path, corpus, moe_baseline, nproc, overrides):
+    result = torchrun(nproc, moe_config(tmp_path, corpus, "run"), *overrides)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_same_run(moe_baseline, tmp_path / "run")
+
+
+def test_aux_loss_free_balancing_matches_single_rank_and_is_logged(tmp_path, corpus):
+    """Sigmoid routing with DeepSeek-V3's expert bias: the bias moves every step from the expert
+    loads of the whole step, so EP2 x DP2 must equal one rank there too."""
+    bias = {"moe_router_score_function": "sigmoid", "moe_router_expert_bias": True, "moe_aux_loss_coeff": 0.0}
+    runs = {}
+    for name, nproc, overrides in [("single", 1, []), ("ep2", 2, ["parallel.expert=2"])]:
+        result = torchrun(nproc, moe_config(tmp_path, corpus, name, **bias), *overrides)
+        assert result.returncode == 0, result.stderr[-4000:]
+        runs[name] = tmp_path / name
+    assert_same_run(runs["single"], runs["ep2"])
