@@ -4,9 +4,10 @@ pipeline stage. Preflight reports it and refuses layouts that do not fit.
 
 Activations are counted per token and layer for a Llama-style block as megatron-core saves them
 for backward with flash / SDPA attention (no score matrix); tensors of hidden size are split over
-TP only with sequence parallelism. The last stage adds the logits and the cross-entropy's fp32
-softmax. ``benchmarks/memory_model.py`` measures peak
-memory for comparison (``tests/test_memory.py`` holds it within 15%).
+TP only with sequence parallelism. A mixture of experts counts each token's top-k copies and the
+experts it reaches; routed experts' weights are split over EP x expert-TP ranks. The last stage
+adds the logits and the cross-entropy's fp32 softmax. ``benchmarks/memory_model.py`` measures
+peak memory for comparison (``tests/test_memory.py`` holds it within 15%).
 """
 
 from __future__ import annotations
@@ -44,13 +45,23 @@ def _layer_values_per_token(cfg: ExperimentConfig, te: bool) -> dict[str, float]
     output kept) and SwiGLU into one kernel.
     """
     m, p = cfg.model, cfg.parallel
-    q, kv, f = m.head_dim * m.num_attention_heads, m.head_dim * m.query_groups, m.ffn_hidden_size
+    q, kv = m.head_dim * m.num_attention_heads, m.head_dim * m.query_groups
     hidden = m.hidden_size / (p.tensor if p.sequence_parallel else 1)
+    swiglu = 3 if te else 4
+    if m.num_experts is None:
+        mlp = swiglu * m.ffn_hidden_size / p.tensor
+    else:
+        # Each token's top-k copies: permuted, dispatched and combined hidden states, and the
+        # SwiGLU of each expert it reaches (split over expert TP); plus the shared expert.
+        routed = m.moe_router_topk * (
+            3 * m.hidden_size + swiglu * m.expert_ffn_hidden_size / (p.expert_tensor or p.tensor)
+        )
+        mlp = routed + swiglu * (m.moe_shared_expert_ffn_hidden_size or 0) / p.tensor
     if te:
         return {"layer input": hidden, "norms": 3 * hidden, "attention": (3 * q + 3 * kv) / p.tensor,
-                "mlp": 3 * f / p.tensor}  # fmt: skip
+                "mlp": mlp}  # fmt: skip
     return {"layer input": hidden, "norms": 5 * hidden, "attention": (4 * q + 3 * kv) / p.tensor,
-            "mlp": 4 * f / p.tensor}  # fmt: skip
+            "mlp": mlp}  # fmt: skip
 
 
 def _layer_bytes(cfg: ExperimentConfig, te: bool, tokens: float, elem: int, layers: float) -> float:
@@ -107,15 +118,21 @@ def estimate(cfg: ExperimentConfig, world_size: int, on_gpu: bool = True) -> Mem
         "last": (layers * count.per_layer + count.last + (count.first if m.tie_embeddings else 0),
                  1.0, logits),
     }  # fmt: skip
+    # Routed experts are split over expert-parallel (and expert-TP) ranks, and their optimizer
+    # state over the expert-data-parallel ranks that remain.
+    expert_split = p.expert * (p.expert_tensor or p.tensor)
+    expert_shards = world_size // (expert_split * p.pipeline) if cfg.optimizer.distributed else 1
+    experts = layers * count.per_layer_experts
     estimates = []
     for stage, (params, in_flight, last_logits) in stages.items():
-        params /= p.tensor
+        dense, experts_here = (params - experts) / p.tensor, experts / expert_split
+        params = dense + experts_here
         estimates.append(
             MemoryEstimate(
                 stage=stage if p.pipeline > 1 else "only",
                 weights=elem * params,
                 grads=(4 if cfg.ddp.grad_reduce_in_fp32 or not bf16 else 2) * params,
-                optimizer=((4 if bf16 else 0) + 8) * params / shards,
+                optimizer=((4 if bf16 else 0) + 8) * (dense / shards + experts_here / expert_shards),
                 activations=in_flight * _layer_bytes(cfg, te, tokens, elem, layers) + last_logits,
             )
         )

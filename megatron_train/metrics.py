@@ -102,18 +102,20 @@ class MetricsLogger:
         """Start timing steps (just before the first one)."""
         self._interval_start, self._interval_steps = time.perf_counter(), 0
 
-    def after_step(self, step: int, loss: float, lr: float, grad_norm: float, skipped: int) -> None:
+    def after_step(self, step: int, loss: float, lr: float, grad_norm: float, skipped: int,
+                   moe: dict[str, float] | None = None) -> None:  # fmt: skip
         """Count a step; at each ``logging.log_interval`` and the last step, log the interval."""
         self._interval_steps += 1
         if step % self.log_interval and step != self.total_steps:
             return
         step_time = (time.perf_counter() - self._interval_start) / self._interval_steps
-        self.log_train(step, loss, lr, grad_norm, step_time, skipped)
+        self.log_train(step, loss, lr, grad_norm, step_time, skipped, moe or {})
         self.start_interval()
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
-                  skipped: int) -> None:  # fmt: skip
-        """One interval's line; ``step_time`` is the mean seconds per step over the interval."""
+                  skipped: int, moe: dict[str, float] | None = None) -> None:  # fmt: skip
+        """One interval's line; ``step_time`` is the mean seconds per step over the interval;
+        ``moe`` holds a mixture of experts' router figures of the step (``RouterStats``)."""
         if not self.enabled:
             return
         tokens_per_s = self.tokens_per_step / step_time
@@ -129,14 +131,23 @@ class MetricsLogger:
             "tflops_per_device": tflops,
             "peak_mem_gib": peak_memory_gib(),
             "skipped_steps": skipped,
+            **(moe or {}),
         }
         mfu = f" | MFU {100 * tflops / self.peak:.1f}%" if self.peak else ""
         if self.peak:
             record["mfu"] = tflops / self.peak
         eta = _duration((self.total_steps - step) * step_time)
+        router = "".join(
+            f" | {label} {record[key]:{fmt}}"
+            for key, label, fmt in [
+                ("moe_aux_loss", "aux loss", ".4f"),
+                ("moe_load_imbalance", "load max/mean", ".2f"),
+            ]
+            if key in record
+        )
         print(
             f"step {step}/{self.total_steps} | tokens {record['consumed_tokens']:,} | loss {loss:.4f}"
-            f" | lr {lr:.3e} | grad norm {grad_norm:.3f} | {step_time * 1000:.0f} ms/step"
+            f" | lr {lr:.3e} | grad norm {grad_norm:.3f}{router} | {step_time * 1000:.0f} ms/step"
             f" | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev{mfu}"
             f" | mem {record['peak_mem_gib']:.2f} GiB | ETA {eta}",
             flush=True,

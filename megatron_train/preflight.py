@@ -81,7 +81,9 @@ def run(
     p = cfg.parallel
     dp = data_parallel_size(cfg, world_size)
     return [
-        f"layout: TP{p.tensor} x PP{p.pipeline} x CP{p.context} x DP{dp} = {world_size} ranks; "
+        f"layout: TP{p.tensor} x PP{p.pipeline} x CP{p.context} x DP{dp} = {world_size} ranks"
+        + (f" (experts: EP{p.expert} x ETP{p.expert_tensor or p.tensor})" if cfg.model.num_experts else "")
+        + "; "
         f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step",
         f"data: {len(cfg.data.blend)} blend entries found; the tokenizer fits "
         f"model.vocab_size={cfg.model.vocab_size}",

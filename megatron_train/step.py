@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -14,6 +14,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_train.config import ExperimentConfig
 from megatron_train.model import aligns_param_gather
+from megatron_train.moe_stats import RouterStats
 from megatron_train.optim import select_adam_kernel
 
 
@@ -70,6 +71,8 @@ class StepResult:
     grad_norm: float
     lr: float
     skipped: bool
+    moe: dict[str, float] = field(default_factory=dict)
+    """The router's figures for mixture-of-experts models (:class:`RouterStats`)."""
 
     def check_finite(self, step: int) -> None:
         """Raise :class:`TrainingDiverged` unless loss and gradient norm are finite (the same on
@@ -112,6 +115,12 @@ class Stepper:
         select_adam_kernel(optimizer)
         self._schedule = get_forward_backward_func()
         self._forward_step = partial(forward_step, device)
+        m = cfg.model
+        self.router_stats = (
+            RouterStats(model, m.num_layers, m.num_experts, self.num_microbatches, device)
+            if m.num_experts
+            else None
+        )
 
     def _run_schedule(self, data_iterators: list[Iterator], forward_only: bool, num_microbatches: int):
         return self._schedule(
@@ -139,6 +148,7 @@ class Stepper:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"],
             skipped=not update_successful,
+            moe=self.router_stats.collect() if self.router_stats else {},
         )
 
     @torch.no_grad()

@@ -82,9 +82,11 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
     dp = parallel_state.get_data_parallel_world_size()
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    p = cfg.parallel
+    experts = f" EP={p.expert} ETP={p.expert_tensor or p.tensor}" if cfg.model.num_experts else ""
     log.info(
-        f"layout TP={cfg.parallel.tensor} PP={cfg.parallel.pipeline} "
-        f"VPP={cfg.parallel.virtual_pipeline or 1} DP={dp} on {rt.world_size} {rt.device.type} "
+        f"layout TP={p.tensor} PP={p.pipeline} VPP={p.virtual_pipeline or 1} DP={dp}{experts} "
+        f"on {rt.world_size} {rt.device.type} "
         f"ranks | {stepper.num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
         f"{layer_implementation(cfg)[1]}, {str(rt.dtype).removeprefix('torch.')}"
     )
@@ -105,7 +107,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
             result = stepper.train_step(train_iters)
             result.check_finite(step)
             progress = progress.advanced(cfg.train.global_batch_size, result.skipped)
-            log.after_step(step, result.loss, result.lr, result.grad_norm, progress.skipped_steps)
+            log.after_step(step, result.loss, result.lr, result.grad_norm, progress.skipped_steps, result.moe)
             evaluator.after_step(step)
             decision = watch.decide()
             checkpointer.after_step(progress, decision, model, optimizer, scheduler)

@@ -67,6 +67,8 @@ class ParameterCount:
     first: int
     per_layer: int
     last: int
+    per_layer_experts: int = 0
+    """The part of ``per_layer`` held by routed experts (split over expert-parallel ranks)."""
 
     def total(self, num_layers: int) -> int:
         """The whole model's parameter count."""
@@ -110,7 +112,14 @@ class Family:
 
     def parameters(self, m: ModelConfig) -> ParameterCount:
         """Parameter counts by stage, from :attr:`tensors` (tied embeddings counted once)."""
-        totals = {"first": 0, "layers": 0, "last": 0}
+        totals = {"first": 0, "layers": 0, "last": 0, "experts": 0}
         for tensor in self.tensors(m):
-            totals[tensor.place] += torch.Size(tensor.shape).numel() * max(tensor.experts, 1)
-        return ParameterCount(first=totals["first"], per_layer=totals["layers"], last=totals["last"])
+            numel = torch.Size(tensor.shape).numel() * max(tensor.experts, 1)
+            totals[tensor.place] += numel
+            totals["experts"] += numel if tensor.experts else 0
+        return ParameterCount(
+            first=totals["first"],
+            per_layer=totals["layers"],
+            last=totals["last"],
+            per_layer_experts=totals["experts"],
+        )
