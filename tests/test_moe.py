@@ -25,13 +25,17 @@ def moe_config(tmp_path: Path, corpus, name: str, **model) -> Path:
     )  # fmt: skip
 
 
-def grad_norms(run_dir: Path) -> list[float]:
-    return [r["grad_norm"] for r in records(run_dir) if "grad_norm" in r]
+def logged(run_dir: Path, key: str) -> list[float]:
+    return [r[key] for r in records(run_dir) if key in r]
 
 
 def assert_same_run(expected: Path, got: Path) -> None:
-    for what, a, b in [("loss", train_losses(expected), train_losses(got)),
-                       ("grad norm", grad_norms(expected), grad_norms(got))]:  # fmt: skip
+    """Losses, gradient norms and the router's figures (load-balancing loss when it is on, the
+    worst layer's max / mean tokens per expert) step by step."""
+    keys = ["grad_norm", "moe_load_imbalance"] + ["moe_aux_loss"] * bool(logged(expected, "moe_aux_loss"))
+    for what, a, b in [("loss", train_losses(expected), train_losses(got))] + [
+        (key, logged(expected, key), logged(got, key)) for key in keys
+    ]:
         assert len(a) == len(b) == STEPS["steps"], what
         for step, (e, g) in enumerate(zip(a, b), start=1):
             assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {what} {g} vs single-rank {e}"
