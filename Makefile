@@ -7,7 +7,7 @@ TORCH_CPU_VERSION := 2.13.0
 # Use the local CPU wheel cache when the machine has one, otherwise PyTorch's CPU index.
 TORCH_CPU_SOURCE := $(if $(wildcard /opt/wheels/torch-$(TORCH_CPU_VERSION)+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install demo test lint format bench wheelhouse clean
+.PHONY: install demo demo-moe test lint format bench wheelhouse clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ install: $(BIN)/.installed
 
 demo: install
 	PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh
+
+demo-moe: install
+	PATH=$(CURDIR)/$(BIN):$$PATH bash launch/demo.sh moe
 
 lint: install
 	$(BIN)/ruff check .

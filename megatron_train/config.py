@@ -751,6 +751,12 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> Non
             "choose an expert-parallel size that divides model.num_experts",
         )
     etp = p.expert_tensor or p.tensor
+    if m.expert_ffn_hidden_size % etp:
+        raise ConfigError(
+            "parallel.expert_tensor",
+            f"the experts' width {m.expert_ffn_hidden_size} is not divisible by expert TP size {etp}",
+            "choose an expert_tensor size that divides model.moe_ffn_hidden_size (or ffn_hidden_size)",
+        )
     if world_size % (etp * p.expert * p.pipeline):
         raise ConfigError(
             "parallel.expert",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
 from megatron_train.config import ExperimentConfig
 from megatron_train.errors import ConfigError
@@ -70,6 +71,22 @@ def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     return chunks
 
 
+def _experts_in_their_own_optimizer(model_chunks: list[torch.nn.Module]) -> None:
+    """Mark routed experts' weights as expert-parallel (``allreduce = False``) at EP1 too.
+
+    megatron-core does so only when EP > 1; the distributed optimizer then gives them an optimizer
+    of their own in its chain, and a checkpoint's optimizer state holds one entry per chained
+    optimizer. Marking them at EP1 as well keeps that structure the same at every EP size, so a
+    checkpoint resumes across EP1 <-> EP > 1. Their gradients are then reduced over the
+    expert-data-parallel group, which at EP1 is the data-parallel group itself.
+    """
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, (SequentialMLP, TEGroupedMLP)):
+                for param in module.parameters():
+                    param.allreduce = False
+
+
 def aligns_param_gather(cfg: ExperimentConfig) -> bool:
     """Whether the interleaved schedule launches the parameter all-gathers of all pipeline stages
     together (Megatron-LM's default ``align_param_gather`` when overlapping them under VPP)."""
@@ -82,6 +99,7 @@ def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParal
     chunks = build_chunks(cfg, rt)
     initialize_weights(chunks, family_of(cfg.model), cfg.model, cfg.train.seed)
     mark_tensor_parallel_weights(chunks)
+    _experts_in_their_own_optimizer(chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.ddp.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.ddp.overlap_grad_reduce,

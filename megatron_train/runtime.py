@@ -101,6 +101,7 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
         virtual_pipeline_model_parallel_size=p.virtual_pipeline if (p.virtual_pipeline or 1) > 1 else None,
         context_parallel_size=p.context,
         expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.expert_tensor,
     )
     seed_everything(cfg.train.seed)
     return Runtime(env.rank, env.world_size, device, compute_dtype(cfg))

@@ -65,7 +65,7 @@ def metric_lines(run_dir: Path) -> list[tuple]:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in records(run_dir)]
 
 
-# PP and VPP, and DP > 1 (tests/test_slurm.py adds TP2 x PP2 across two nodes).
+# PP and VPP, DP > 1 and expert parallelism (tests/test_slurm.py adds TP2 x PP2 across two nodes).
 EXACT_LAYOUTS = [
     ("dp2", 2, []),
     (
@@ -78,6 +78,7 @@ EXACT_LAYOUTS = [
             "train.micro_batch_size=1",
         ],
     ),
+    ("moe-ep2", 2, ["model.preset=qwen3-moe-tiny", "model.max_position_embeddings=128", "parallel.expert=2"]),
 ]
 
 

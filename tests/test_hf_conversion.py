@@ -1,13 +1,15 @@
 """Hugging Face <-> megatron-train conversion, checked against transformers itself.
 
 Tiny random models are built with transformers (no download) for each supported family, imported
-with the CLI at TP2 x PP2, run by our model at four TP x PP layouts (imported checkpoints are
-layout-independent, like every checkpoint of ours) and compared logit by logit.
+with the CLI at TP2 x PP2, run by our model at four TP x PP layouts, mixtures of experts also at
+EP2 and TP2 x PP2 x EP2 (imported checkpoints are layout-independent, like every checkpoint of
+ours), and compared logit by logit.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -43,7 +45,24 @@ FAMILIES = {
     "qwen2": lambda: transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True),
     # Llama 2: full multi-head attention (as many KV heads as query heads), RoPE theta 10000.
     "llama2": lambda: transformers.LlamaConfig(**{**_COMMON, "num_key_value_heads": 4}),
+    # Qwen3: QK-norm, and a head dimension other than hidden / heads.
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=32),
+    # Qwen3-MoE: 4 experts, 2 per token, weights renormalised over the chosen ones.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+    ),  # fmt: skip
+    "mixtral": lambda: transformers.MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
 }
+MOE = ("qwen3_moe", "mixtral")
+# (TP, PP, EP) for the mixtures of experts, whose experts split over EP ranks too.
+MOE_LAYOUTS = [(1, 1, 2), (2, 2, 2)]
 
 
 def convert(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -57,10 +76,14 @@ def hf_models(tmp_path_factory) -> dict:
     for i, (name, make_config) in enumerate(FAMILIES.items()):
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(make_config()).float().eval()
-        if name == "qwen2":  # random init leaves the biases at zero; make them count
-            for layer in model.model.layers:
+        # Random init leaves biases at zero and norms at one; make them count.
+        for layer in model.model.layers:
+            if name == "qwen2":
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=0.5)
+            if name.startswith("qwen3"):
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.3)
         model.save_pretrained(root / name)
         (root / name / "tokenizer_config.json").write_text('{"model_max_length": 256}\n')
         models[name] = root / name
@@ -84,11 +107,13 @@ def test_logits_match_transformers_at_every_layout(tmp_path, hf_models, imported
         with torch.no_grad():
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             references[name] = model(tokens).logits
-    ckpts = imported
-    for tp, pp in LAYOUTS:
+    runs = [(tp, pp, 1, imported) for tp, pp in LAYOUTS]
+    runs += [(tp, pp, ep, {name: imported[name] for name in MOE}) for tp, pp, ep in MOE_LAYOUTS]
+    for tp, pp, ep, ckpts in runs:
+        nproc = tp * pp * ep
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * pp}",
-             "tests/helpers/logits_worker.py", "--tp", str(tp), "--pp", str(pp), "--tokens",
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+             "tests/helpers/logits_worker.py", "--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--tokens",
              str(tmp_path / "tokens.pt"), "--out", str(tmp_path / "logits.pt"), *map(str, ckpts.values())],
             cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=600,
         )  # fmt: skip
@@ -96,7 +121,7 @@ def test_logits_match_transformers_at_every_layout(tmp_path, hf_models, imported
         ours = torch.load(tmp_path / "logits.pt")
         for name, ckpt in ckpts.items():
             diff = (ours[str(ckpt)] - references[name]).abs().max().item()
-            assert diff <= 1e-4, f"{name} at TP{tp} x PP{pp}: max |diff| {diff}"
+            assert diff <= 1e-4, f"{name} at TP{tp} x PP{pp} x EP{ep}: max |diff| {diff}"
 
 
 @pytest.mark.slow
@@ -208,6 +233,14 @@ def test_bad_inputs_are_clear_errors_and_leave_nothing_behind(tmp_path, hf_model
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(bigvocab)
     _expect_error("import-hf", "--hf", str(bigvocab), "--out", str(out), needle="has 400 tokens", out=out)
 
+    sparse = tmp_path / "sparse"
+    shutil.copytree(hf_models["qwen3_moe"], sparse)
+    moe_config = json.loads((sparse / "config.json").read_text())
+    (sparse / "config.json").write_text(json.dumps({**moe_config, "decoder_sparse_step": 2}))
+    _expect_error(
+        "import-hf", "--hf", str(sparse), "--out", str(out), needle="decoder_sparse_step=2", out=out
+    )
+
     out.mkdir()
     _expect_error("import-hf", "--hf", str(llama), "--out", str(out), needle="already exists")
     assert list(out.iterdir()) == []
@@ -254,3 +287,25 @@ def test_training_starts_from_an_hf_directory_then_resumes_from_its_own_checkpoi
         train_losses(tmp_path / "direct")[:3] == losses["direct"]
         and len(train_losses(tmp_path / "direct")) == 5
     )
+
+
+@pytest.mark.parametrize(
+    ("family", "option", "needle"),
+    [
+        ("qwen3", {"moe_router_score_function": "sigmoid"}, "routes with softmax"),
+        ("qwen3", {"moe_shared_expert_ffn_hidden_size": 64}, "no shared expert"),
+        (
+            "mixtral",
+            {"moe_router_expert_bias": True, "moe_router_score_function": "sigmoid"},
+            "routes with softmax",
+        ),
+    ],
+)
+def test_moe_options_transformers_cannot_express_are_refused_on_export(family, option, needle):
+    from megatron_train.config import ModelConfig
+    from megatron_train.errors import ConversionError
+    from megatron_train.models import registry
+
+    m = ModelConfig(family=family, num_experts=4, qk_norm=family == "qwen3", vocab_size=300, **option)
+    with pytest.raises(ConversionError, match=needle):
+        registry.family_of(m).hf_config(m, torch.float32, {})

@@ -11,3 +11,12 @@ def test_flops_per_token_counts_causal_attention_half_for_llama3_8b_at_8k():
     # 32 layers plus the output layer 2*4096*128256, times 3 for forward and backward.
     per_layer = 50_331_648 + 33_554_432 + 352_321_536 + 67_108_864
     assert flops_per_token(cfg) == 3 * (32 * per_layer + 2 * 4096 * 128256) == 51_470_401_536
+
+
+def test_flops_per_token_of_a_mixture_of_experts_counts_the_active_experts_only():
+    cfg = build_config({"model": {"preset": "qwen3-30b-a3b"}, "data": {"seq_length": 4096}})
+    # By hand, per layer: QKV 2*2048*(4096+2*512) = 20,971,520; output 2*4096*2048 = 16,777,216;
+    # 8 of 128 experts 8*6*2048*768 = 75,497,472; router 2*2048*128 = 524,288; attention over the
+    # causal half 2*4096*4096 = 33,554,432. 48 layers plus the output layer 2*2048*151936, times 3.
+    per_layer = 20_971_520 + 16_777_216 + 75_497_472 + 524_288 + 33_554_432
+    assert flops_per_token(cfg) == 3 * (48 * per_layer + 2 * 2048 * 151936) == 23_081_779_200

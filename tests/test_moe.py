@@ -3,10 +3,12 @@ trains like one rank, checkpoints move between layouts, and the router's numbers
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
+from megatron_train.checkpoint import files
 from tests.conftest import records, torchrun, train_losses, write_config
 
 pytestmark = pytest.mark.slow
@@ -77,3 +79,44 @@ def test_aux_loss_free_balancing_matches_single_rank_and_is_logged(tmp_path, cor
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = tmp_path / name
     assert_same_run(runs["single"], runs["ep2"])
+
+
+def test_checkpoints_move_between_expert_layouts(tmp_path, corpus):
+    """A fully reshardable save at EP2 x PP2 resumes at one rank and at EP2 x TP2; the interval
+    save (dp_reshardable, per expert-parallel shard) refuses another expert split in one line."""
+    train = {"steps": 6, "micro_batch_size": 1, "eval_interval": 0}
+    checkpoint = {"interval": 3, "optimizer_format": "fully_reshardable"}
+    base = write_config(tmp_path / "base.yaml", corpus, tmp_path / "base", model=MOE, optimizer=SMALL_LR,
+                        train=train, checkpoint=checkpoint)  # fmt: skip
+    result = torchrun(4, base, "parallel.expert=2", "parallel.pipeline=2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    expected = {r["step"]: r["loss"] for r in records(tmp_path / "base") if "loss" in r}
+    saved = files.iteration_dir(tmp_path / "base" / "checkpoints", 3)
+
+    for name, nproc, layout in [
+        ("single", 1, []),
+        ("ep2tp2", 4, ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]),
+    ]:
+        run_dir = tmp_path / name
+        shutil.copytree(saved, files.iteration_dir(run_dir / "checkpoints", 3))
+        config = write_config(
+            tmp_path / f"{name}.yaml", corpus, run_dir, model=MOE, optimizer=SMALL_LR, train=train
+        )
+        resumed = torchrun(nproc, config, *layout)
+        assert resumed.returncode == 0, resumed.stderr[-4000:]
+        assert "resharded from TP1 x PP2 x VPP1 x DP2 x EP2 x ETP1" in resumed.stdout
+        got = {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+        assert sorted(got) == [4, 5, 6]
+        for step, loss in got.items():
+            assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"{name} step {step}"
+
+    checkpoint = {"interval": 3, "save_at_end": False}
+    interval = write_config(tmp_path / "auto.yaml", corpus, tmp_path / "auto", model=MOE, optimizer=SMALL_LR,
+                            train={**train, "steps": 3}, checkpoint=checkpoint)  # fmt: skip
+    assert torchrun(2, interval, "parallel.expert=2").returncode == 0
+    resumed = torchrun(2, interval, "train.steps=6")
+    errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "resumes only at TP1 x PP1 x VPP1 x EP2 x ETP1 (any DP)" in errors[0], (
+        resumed.stderr[-3000:]
+    )
+    assert "[rank" not in resumed.stderr, "a rank printed a traceback"

@@ -132,7 +132,15 @@ def test_registry_maps_presets_and_hf_architectures_to_their_family():
 
 @pytest.mark.parametrize(
     "preset, published",
-    [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)],
+    [
+        ("llama2-7b", 6_738_415_616),
+        ("llama3-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
+        ("qwen3-0.6b", 596_049_920),
+        ("qwen3-8b", 8_190_735_360),
+        ("qwen3-30b-a3b", 30_532_122_624),
+        ("mixtral-8x7b", 46_702_792_704),
+    ],
 )
 def test_parameter_counts_match_the_published_models(preset, published):
     m = build_config({"model": {"preset": preset}}).model

@@ -19,16 +19,26 @@ from megatron_train.checkpoint.files import CheckpointError
 
 
 def _describe_common(path: Path) -> list[str]:
-    from megatron_train.checkpoint.state import optimizer_format, read_common
+    from megatron_train.checkpoint.state import read_common
 
     common = read_common(path)
+    try:
+        return _common_lines(common)
+    except (KeyError, TypeError) as err:
+        raise CheckpointError(
+            f"{path / 'common.pt'} lacks or mangles field {err}; the checkpoint is corrupt"
+        ) from err
+
+
+def _common_lines(common: dict) -> list[str]:
+    from megatron_train.checkpoint.state import Layout, optimizer_format
+
     progress, layout, cfg = common["progress"], common["layout"], common["config"]
     m, t, o = cfg["model"], cfg["train"], cfg["optimizer"]
     return [
         f"iteration:   {progress['iteration']} of {t['steps']} "
         f"({progress['consumed_samples']:,} samples consumed, {progress['skipped_steps']} skipped steps)",
-        f"written by:  megatron-train {common.get('version', '?')} at TP{layout['tensor']} x "
-        f"PP{layout['pipeline']} x VPP{layout['virtual_pipeline']} x DP{layout['data']} "
+        f"written by:  megatron-train {common.get('version', '?')} at {Layout(**layout).describe()} "
         f"({layout['world_size']} ranks); optimizer state {optimizer_format(common)}",
         f"model:       {m.get('preset') or 'custom'}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
         f"ffn {m['ffn_hidden_size']}, {m['num_attention_heads']} heads / "

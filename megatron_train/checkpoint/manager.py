@@ -149,7 +149,7 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         torch.distributed.barrier()
-        common = metadata(self.cfg, Layout.current())
+        common = metadata(self.cfg, Layout.current(moe=self.cfg.model.num_experts is not None))
         fmt = self._format_for(why)
         first_of_its_kind = fmt not in self._strategies
         with gathered_params(model):
@@ -273,16 +273,16 @@ class Checkpointer:
             optimizer.reload_model_params()
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
             return Progress(iteration=0, consumed_samples=0)
-        check_architecture(model_state(model), read_tensor_metadata(path))
-        saved, now = Layout(**common["layout"]), Layout.current()
+        saved, now = Layout(**common["layout"]), Layout.current(moe=self.cfg.model.num_experts is not None)
         fmt = optimizer_format(common)
         if fmt == "dp_reshardable" and not saved.same_model_split(now):
             raise CheckpointError(
                 f"{path} holds its optimizer state per data-parallel shard (dp_reshardable), which "
-                f"resumes only at TP{saved.tensor} x PP{saved.pipeline} x VPP{saved.virtual_pipeline} "
+                f"resumes only at {saved.describe_model_split()} "
                 f"(any DP), not {now.describe()}: resume at that layout, or from an end-of-run or stop "
                 "save (always fully_reshardable), or set checkpoint.finetune=true to take only its weights"
             )
+        check_architecture(model_state(model), read_tensor_metadata(path))
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True, fmt=fmt)
         if saved != now:
             del state["rng_state"]

@@ -11,6 +11,7 @@ unchanged (otherwise the ranks' streams have no counterpart).
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,27 +41,40 @@ class Layout:
     virtual_pipeline: int
     data: int
     world_size: int
+    expert: int = 1
+    """Expert-parallel size (checkpoints from before MoE support hold dense models: 1)."""
+    expert_tensor: int | None = None
+    """Expert tensor-parallel size; None where it is irrelevant (a dense model)."""
 
     @classmethod
-    def current(cls) -> Layout:
-        """This job's layout, from megatron's parallel_state."""
+    def current(cls, moe: bool = False) -> Layout:
+        """This job's layout, from megatron's parallel_state (expert sizes for an MoE model)."""
         return cls(
             tensor=parallel_state.get_tensor_model_parallel_world_size(),
             pipeline=parallel_state.get_pipeline_model_parallel_world_size(),
             virtual_pipeline=parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
             data=parallel_state.get_data_parallel_world_size(with_context_parallel=True),
             world_size=torch.distributed.get_world_size(),
+            expert=parallel_state.get_expert_model_parallel_world_size() if moe else 1,
+            expert_tensor=parallel_state.get_expert_tensor_parallel_world_size() if moe else None,
         )
+
+    def _model_split(self) -> tuple:
+        return self.tensor, self.pipeline, self.virtual_pipeline, self.expert, self.expert_tensor
 
     def same_model_split(self, other: Layout) -> bool:
         """Whether both split the model the same way (they may differ in data parallelism)."""
-        return (self.tensor, self.pipeline, self.virtual_pipeline) == (
-            other.tensor, other.pipeline, other.virtual_pipeline,
-        )  # fmt: skip
+        return self._model_split() == other._model_split()
+
+    def describe_model_split(self) -> str:
+        """``TP2 x PP2 x VPP1`` (``x EP2 x ETP1`` for an MoE model)."""
+        experts = f" x EP{self.expert} x ETP{self.expert_tensor}" if self.expert_tensor else ""
+        return f"TP{self.tensor} x PP{self.pipeline} x VPP{self.virtual_pipeline}{experts}"
 
     def describe(self) -> str:
-        """``TP2 x PP2 x VPP1 x DP2``."""
-        return f"TP{self.tensor} x PP{self.pipeline} x VPP{self.virtual_pipeline} x DP{self.data}"
+        """``TP2 x PP2 x VPP1 x DP2`` (``x EP2 x ETP1`` for an MoE model)."""
+        split = self.describe_model_split().split(" x EP")
+        return f"{split[0]} x DP{self.data}" + (f" x EP{split[1]}" if len(split) > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -239,6 +253,9 @@ def _tensors(sharded: dict) -> dict[str, ShardedTensor]:
     return found
 
 
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
 def check_architecture(model_sharded: dict, saved: dict[str, ShardedTensor]) -> None:
     """Fail with the first tensor whose global shape differs from the checkpoint's, that the
     checkpoint lacks, or that the checkpoint holds and the model has no place for (untied output
@@ -248,7 +265,9 @@ def check_architecture(model_sharded: dict, saved: dict[str, ShardedTensor]) -> 
     held = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(held, sorted(needed))
     everywhere = set().union(*held)
-    extra = sorted(k for k in saved if not k.startswith("optimizer.") and k not in everywhere)
+    # Optimizer state: "optimizer.*", or "chained_<i>.optimizer.*" per optimizer of a chain (an MoE
+    # model's experts have their own) in the dp_reshardable form.
+    extra = sorted(k for k in saved if not _OPTIMIZER_KEY.match(k) and k not in everywhere)
     if extra:
         raise CheckpointError(
             f"architecture mismatch: the checkpoint has tensor {extra[0]!r} that the model has no place "
