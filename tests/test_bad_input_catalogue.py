@@ -236,6 +236,39 @@ CASES = [
     Case("override-no-equals", "train", _train("train.steps"), "key.sub=value"),
     Case("override-into-scalar", "train", _train("train.steps.x=1"), "'train.steps'"),
     Case("override-unknown-section", "train", _train("trian.steps=1"), "did you mean"),
+    # train: mixture of experts
+    Case("moe-on-llama", "train", _train("model.num_experts=8", FRESH), "no mixture-of-experts models"),
+    Case(
+        "expert-parallel-on-dense",
+        "train",
+        _train("parallel.expert=2", FRESH),
+        "mixture-of-experts models only",
+    ),
+    Case(
+        "moe-topk-above-experts",
+        "train",
+        _train("model.preset=qwen3-moe-tiny", "model.moe_router_topk=9", FRESH),
+        "exceeds model.num_experts=8",
+    ),  # fmt: skip
+    Case(
+        "moe-experts-over-ep",
+        "train",
+        _train("model.preset=qwen3-moe-tiny", "parallel.expert=3", FRESH),
+        "not divisible over 3",
+    ),  # fmt: skip
+    Case(
+        "moe-expert-bias-softmax",
+        "train",
+        _train("model.preset=qwen3-moe-tiny", "model.moe_router_expert_bias=true", FRESH),
+        "sigmoid",
+    ),  # fmt: skip
+    Case(
+        "mixtral-without-experts",
+        "train",
+        _train("model.family=mixtral", "model.preset=null", FRESH),
+        "every Mixtral model is a mixture of experts",
+    ),  # fmt: skip
+    Case("resume-dense-run-as-moe", "train", _train("model.preset=qwen3-moe-tiny"), "architecture mismatch"),
     # train: data and tokenizer
     Case("blend-odd-pairs", "train", _train("data.blend=[0.5, WS/corpus/stdlib, 0.5]"), "pairs"),
     Case("blend-zero-weights", "train", _train("data.blend=[0, WS/corpus/stdlib]"), "all 0"),
