@@ -23,7 +23,7 @@ LAYERS = [
      "checkpoint.files", "checkpoint.safe_load", "hf.model_dir", "hf.safetensors_io", "outputs"],
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
-    ["runtime", "init", "model", "optim", "memory"],
+    ["runtime", "init", "model", "optim", "memory", "moe_stats"],
     ["data", "step", "metrics", "stopping", "evaluation"],
     ["checkpoint.state", "checkpoint.policy", "checkpoint.streaming_save", "checkpoint.manager"],
     ["hf.convert", "inference", "warm_start"],
