@@ -713,17 +713,12 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
 def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> None:
     if m.num_experts is None:
         moe_keys = [f.name for f in dataclasses.fields(m) if f.name.startswith("moe_")]
-        changed = [k for k in moe_keys if getattr(m, k) != getattr(ModelConfig, k, None)]
-        if changed or p.expert != 1 or p.expert_tensor not in (None, p.tensor):
-            key = (
-                f"model.{changed[0]}"
-                if changed
-                else "parallel.expert"
-                if p.expert != 1
-                else "parallel.expert_tensor"
-            )
+        keys = [f"model.{k}" for k in moe_keys if getattr(m, k) != getattr(ModelConfig, k)]
+        keys += ["parallel.expert"] * (p.expert != 1)
+        keys += ["parallel.expert_tensor"] * (p.expert_tensor not in (None, p.tensor))
+        if keys:
             raise ConfigError(
-                key, "applies to mixture-of-experts models only", "set model.num_experts or remove it"
+                keys[0], "applies to mixture-of-experts models only", "set model.num_experts or remove it"
             )
         return
     if m.moe_router_topk > m.num_experts:

@@ -5,6 +5,9 @@ its models here; what differs between families is their presets and Hugging Face
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +16,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_train.config import ExperimentConfig, ModelConfig
+from megatron_train.models import counts
 from megatron_train.models.common import shared_options
+from megatron_train.models.family import Family
+from megatron_train.models.hf_tensors import HfMapping, MoeNames, tensors
 from megatron_train.models.specs import decoder_block_spec
 
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
@@ -108,3 +114,33 @@ def initial_value(m: ModelConfig, key: str, shape: tuple[int, ...], gen: torch.G
     if key.endswith(_SCALED_OUTPUTS):
         std = std / math.sqrt(2.0 * m.num_layers)
     return torch.empty(shape, device=gen.device).normal_(0.0, std, generator=gen)
+
+
+def decoder_family(
+    name: str,
+    presets: Mapping[str, Mapping[str, Any]],
+    check: Callable[[ModelConfig], None],
+    hf_config: ModuleType,
+    moe_names: MoeNames | None = None,
+) -> Family:
+    """A family of these decoders. It brings its presets, ``check`` (the options its models do
+    not have), its config.json module (``ARCHITECTURES``, ``model_options``, ``caveats``,
+    ``hf_config``) and, for MoE models, where transformers keeps their tensors."""
+    mapping = HfMapping(moe_names)
+    return Family(
+        name=name,
+        presets=presets,
+        hf_architectures=tuple(hf_config.ARCHITECTURES),
+        check=check,
+        transformer_config=transformer_config,
+        build_model_chunks=build_model_chunks,
+        initial_value=initial_value,
+        tensors=tensors,
+        flops_per_token=counts.flops_per_token,
+        hf_model_options=hf_config.model_options,
+        hf_caveats=hf_config.caveats,
+        hf_config=hf_config.hf_config,
+        hf_names=mapping.hf_names,
+        to_megatron=mapping.to_megatron,
+        to_hf=mapping.to_hf,
+    )

@@ -66,15 +66,17 @@ class Layout:
         """Whether both split the model the same way (they may differ in data parallelism)."""
         return self._model_split() == other._model_split()
 
+    def _describe(self, data: str) -> str:
+        experts = f" x EP{self.expert} x ETP{self.expert_tensor}" if self.expert_tensor else ""
+        return f"TP{self.tensor} x PP{self.pipeline} x VPP{self.virtual_pipeline}{data}{experts}"
+
     def describe_model_split(self) -> str:
         """``TP2 x PP2 x VPP1`` (``x EP2 x ETP1`` for an MoE model)."""
-        experts = f" x EP{self.expert} x ETP{self.expert_tensor}" if self.expert_tensor else ""
-        return f"TP{self.tensor} x PP{self.pipeline} x VPP{self.virtual_pipeline}{experts}"
+        return self._describe("")
 
     def describe(self) -> str:
         """``TP2 x PP2 x VPP1 x DP2`` (``x EP2 x ETP1`` for an MoE model)."""
-        split = self.describe_model_split().split(" x EP")
-        return f"{split[0]} x DP{self.data}" + (f" x EP{split[1]}" if len(split) > 1 else "")
+        return self._describe(f" x DP{self.data}")
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,11 @@ def export_plan(family: Family, m: ModelConfig) -> list[tuple[str, Index, list[s
     tensors = family.tensors(m)
     first = [(t.key, ()) for t in tensors if t.place == "first"]
     last = [(t.key, ()) for t in tensors if t.place == "last"]
-    layered = [
-        (t.key, index)
-        for layer in range(m.num_layers)
-        for t in tensors
-        if t.per_layer
-        for index in t.indices(m.num_layers)
-        if index[0] == layer
-    ]
+    # By layer, tensors in checkpoint order within one (the sort is stable).
+    layered = sorted(
+        ((t.key, index) for t in tensors if t.per_layer for index in t.indices(m.num_layers)),
+        key=lambda slot: slot[1][0],
+    )
     return [(key, index, family.hf_names(key, index)) for key, index in first + layered + last]
 
 

@@ -2,9 +2,7 @@
 
 from megatron_train.config import ModelConfig
 from megatron_train.errors import ConfigError
-from megatron_train.models import counts, decoder
-from megatron_train.models.family import Family
-from megatron_train.models.hf_tensors import HfMapping, tensors
+from megatron_train.models.decoder import decoder_family
 from megatron_train.models.llama import hf_config
 from megatron_train.models.llama.presets import PRESETS
 
@@ -21,22 +19,4 @@ def check(m: ModelConfig) -> None:
         raise ConfigError("model.qk_norm", "the llama family has no QK-norm", "use model.family=qwen3")
 
 
-_MAPPING = HfMapping()
-
-FAMILY = Family(
-    name="llama",
-    presets=PRESETS,
-    hf_architectures=tuple(hf_config.ARCHITECTURES),
-    check=check,
-    transformer_config=decoder.transformer_config,
-    build_model_chunks=decoder.build_model_chunks,
-    initial_value=decoder.initial_value,
-    tensors=tensors,
-    flops_per_token=counts.flops_per_token,
-    hf_model_options=hf_config.model_options,
-    hf_caveats=hf_config.caveats,
-    hf_config=hf_config.hf_config,
-    hf_names=_MAPPING.hf_names,
-    to_megatron=_MAPPING.to_megatron,
-    to_hf=_MAPPING.to_hf,
-)
+FAMILY = decoder_family("llama", PRESETS, check, hf_config)
