@@ -106,16 +106,21 @@ class MetricsLogger:
                    moe: dict[str, float] | None = None) -> None:  # fmt: skip
         """Count a step; at each ``logging.log_interval`` and the last step, log the interval."""
         self._interval_steps += 1
-        if step % self.log_interval and step != self.total_steps:
+        if not self.logs_at(step):
             return
         step_time = (time.perf_counter() - self._interval_start) / self._interval_steps
-        self.log_train(step, loss, lr, grad_norm, step_time, skipped, moe or {})
+        self.log_train(step, loss, lr, grad_norm, step_time, skipped, moe)
         self.start_interval()
+
+    def logs_at(self, step: int) -> bool:
+        """Whether ``step`` is logged (every ``logging.log_interval`` steps and the last); the same
+        answer on every rank."""
+        return step % self.log_interval == 0 or step == self.total_steps
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
                   skipped: int, moe: dict[str, float] | None = None) -> None:  # fmt: skip
         """One interval's line; ``step_time`` is the mean seconds per step over the interval;
-        ``moe`` holds a mixture of experts' router figures of the step (``RouterStats``)."""
+        ``moe`` holds a mixture of experts' router figures over the interval (``RouterStats``)."""
         if not self.enabled:
             return
         tokens_per_s = self.tokens_per_step / step_time

@@ -1,5 +1,6 @@
-"""The router's numbers per training step: the load-balancing loss and how unevenly tokens
-reach experts (the worst layer's max / mean tokens per expert), known on every rank."""
+"""The router's numbers per log interval: the load-balancing loss and how unevenly tokens reach
+experts (the worst layer's max / mean tokens per expert), known on every rank. Counting is local
+and free; the collectives run only at the steps that are logged."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class RouterStats:
     def __init__(self, model_chunks: list[torch.nn.Module], num_layers: int, num_experts: int,
                  num_microbatches: int, device: torch.device) -> None:  # fmt: skip
         self.num_layers, self.num_microbatches = num_layers, num_microbatches
+        self._steps = 0
         self.tokens = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         for chunk in model_chunks:
             for module in chunk.modules():
@@ -29,8 +31,12 @@ class RouterStats:
             _, routing_map = outputs
             self.tokens[router.layer_number - 1] += routing_map.sum(dim=0)
 
-    def collect(self) -> dict[str, float]:
-        """This step's figures (collectives on every rank), then start counting the next step."""
+    def after_step(self, report: bool) -> dict[str, float]:
+        """Count a finished step; when ``report`` (a logged step, the same on every rank), the
+        figures over the steps since the last report, from collectives on every rank; else {}."""
+        self._steps += 1
+        if not report:
+            return {}
         torch.distributed.all_reduce(self.tokens)
         # A TP rank without sequence parallelism sees its group's tokens again: every count of a
         # layer is multiplied alike, which leaves max / mean unchanged.
@@ -40,7 +46,8 @@ class RouterStats:
         tracker = moe_utils.get_moe_layer_wise_logging_tracker()
         if _AUX_LOSS in tracker:
             moe_utils.reduce_aux_losses_tracker_across_ranks([_AUX_LOSS])
-            values = tracker[_AUX_LOSS]["values"]
-            stats["moe_aux_loss"] = values.sum().item() / self.num_layers / self.num_microbatches
+            total = tracker[_AUX_LOSS]["values"].sum().item()
+            stats["moe_aux_loss"] = total / (self.num_layers * self.num_microbatches * self._steps)
             moe_utils.clear_aux_losses_tracker()
+        self._steps = 0
         return stats

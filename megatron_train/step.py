@@ -72,7 +72,8 @@ class StepResult:
     lr: float
     skipped: bool
     moe: dict[str, float] = field(default_factory=dict)
-    """The router's figures for mixture-of-experts models (:class:`RouterStats`)."""
+    """The router's figures over the log interval, at logged steps of mixture-of-experts models
+    (:class:`RouterStats`)."""
 
     def check_finite(self, step: int) -> None:
         """Raise :class:`TrainingDiverged` unless loss and gradient norm are finite (the same on
@@ -133,8 +134,9 @@ class Stepper:
             forward_only=forward_only,
         )
 
-    def train_step(self, data_iterators: list[Iterator]) -> StepResult:
-        """Forward and backward over every micro-batch, then one optimizer and LR step."""
+    def train_step(self, data_iterators: list[Iterator], logged: bool = True) -> StepResult:
+        """Forward and backward over every micro-batch, then one optimizer and LR step; ``logged``
+        (the same on every rank) says whether the step's figures are reported."""
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -148,7 +150,7 @@ class Stepper:
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=self.optimizer.param_groups[0]["lr"],
             skipped=not update_successful,
-            moe=self.router_stats.collect() if self.router_stats else {},
+            moe=self.router_stats.after_step(report=logged) if self.router_stats else {},
         )
 
     @torch.no_grad()

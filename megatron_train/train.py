@@ -104,7 +104,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     exit_code = EXIT_OK
     try:
         for step in range(progress.iteration + 1, cfg.train.steps + 1):
-            result = stepper.train_step(train_iters)
+            result = stepper.train_step(train_iters, logged=log.logs_at(step))
             result.check_finite(step)
             progress = progress.advanced(cfg.train.global_batch_size, result.skipped)
             log.after_step(step, result.loss, result.lr, result.grad_norm, progress.skipped_steps, result.moe)
