@@ -213,7 +213,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard activations outside attention/MLP along the sequence across TP ranks."""
     context: PositiveInt = 1
-    """Context-parallel size (Transformer Engine attention only)."""
+    """Context-parallel size: each sequence is split over this many ranks in 2 x context chunks
+    (rank i holds chunks i and 2 x context - 1 - i). Transformer Engine's attention where it is
+    used, otherwise ours, which all-gathers keys and values over the context-parallel ranks."""
     expert: PositiveInt = 1
     """Expert-parallel size: each rank holds model.num_experts / expert of the routed experts.
     Expert ranks are carved from the data-parallel ranks (times TP, as in megatron-core)."""
@@ -244,6 +246,11 @@ class DataConfig:
     """Tokens per training sample."""
     cache_dir: FilePath | None = None
     """Where index caches are written; None puts them in ``<run_dir>/data_cache``."""
+    document_mask: bool = False
+    """Attention stays within each document of a packed sample (documents end with the
+    tokenizer's EOD token); off, every token attends to all earlier tokens of its sample."""
+    reset_position_ids: bool = False
+    """With ``document_mask``: RoPE positions restart at 0 in each document."""
     num_workers: NonNegativeInt = 2
     """DataLoader worker processes per rank (0 reads in the training process)."""
     build_timeout_minutes: PositiveFloat = 120.0
@@ -584,6 +591,31 @@ def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:
     return world_size // (cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context)
 
 
+def _validate_context(cfg: ExperimentConfig) -> None:
+    p, d = cfg.parallel, cfg.data
+    if d.seq_length % (2 * p.context):
+        raise ConfigError(
+            "data.seq_length",
+            f"{d.seq_length} is not divisible by 2 x parallel.context = {2 * p.context} "
+            "(context parallelism splits each sequence into that many chunks)",
+            f"use a sequence length that is a multiple of {2 * p.context}",
+        )
+    if p.sequence_parallel and (d.seq_length // p.context) % p.tensor:
+        per_rank = f"{d.seq_length} / parallel.context" if p.context > 1 else f"{d.seq_length}"
+        raise ConfigError(
+            "data.seq_length",
+            f"{per_rank} is not divisible by parallel.tensor={p.tensor} (sequence parallel)",
+            f"use a sequence length that is a multiple of {p.context * p.tensor}",
+        )
+    if d.reset_position_ids and not d.document_mask:
+        raise ConfigError(
+            "data.reset_position_ids",
+            "restarts positions per document, but data.document_mask is false, so attention would "
+            "cross documents at restarted positions",
+            "set data.document_mask=true or data.reset_position_ids=false",
+        )
+
+
 def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
     """Reject impossible layouts and inconsistent options (no files are looked at)."""
     check_fields(cfg)
@@ -650,18 +682,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
         raise ConfigError(
             "parallel.sequence_parallel", "needs parallel.tensor > 1", "set it to false or raise TP"
         )
-    if p.sequence_parallel and d.seq_length % p.tensor:
-        raise ConfigError(
-            "data.seq_length",
-            f"{d.seq_length} is not divisible by parallel.tensor={p.tensor} (sequence parallel)",
-            "use a sequence length that is a multiple of the tensor-parallel size",
-        )
-    if p.context > 1 and m.transformer_impl == "local":
-        raise ConfigError(
-            "parallel.context",
-            "context parallelism needs Transformer Engine attention",
-            "set parallel.context=1 or model.transformer_impl=transformer_engine on GPU",
-        )
+    _validate_context(cfg)
     dp = data_parallel_size(cfg, world_size)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(

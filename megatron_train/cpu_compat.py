@@ -35,13 +35,16 @@ class _CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA devices to CPU in every torch call that takes one.
 
     megatron-core passes ``device=torch.cuda.current_device()`` or ``device="cuda"`` to factory
-    functions and ``.to()``; a function mode sees every such call in one place.
+    functions and ``.to()``, and stages host-to-device copies in pinned memory, which needs an
+    accelerator; a function mode sees every such call in one place.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -75,7 +75,7 @@ def at_layout(saved: dict, tensor: int, pipeline: int, expert: int = 1) -> Exper
     ``tensor * pipeline * expert`` ranks (expert ranks come from data-parallel ones)."""
     cfg = from_dict(ExperimentConfig, saved)
     parallel = dataclasses.replace(
-        cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None,
+        cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None, context=1,
         sequence_parallel=tensor > 1 and expert > 1, expert=expert, expert_tensor=None,
     )  # fmt: skip
     cfg = dataclasses.replace(cfg, parallel=parallel)

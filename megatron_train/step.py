@@ -12,10 +12,12 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_train.batch import BatchPreparer
 from megatron_train.config import ExperimentConfig
 from megatron_train.model import aligns_param_gather
 from megatron_train.moe_stats import RouterStats
 from megatron_train.optim import select_adam_kernel
+from megatron_train.tokenizer import load_tokenizer
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -27,15 +29,11 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum().detach()])}
 
 
-def forward_step(device: torch.device, data_iterator: Iterator, model):
+def forward_step(prepare: BatchPreparer, data_iterator: Iterator, model):
     """megatron's forward_step_func: run one micro-batch, return output and its loss function."""
-    batch = next(data_iterator)
-    tokens = batch["tokens"].to(device, non_blocking=True)
-    labels = batch["labels"].to(device, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-    position_ids = batch["position_ids"].to(device, non_blocking=True)
-    output = model(tokens, position_ids, attention_mask=None, labels=labels)
-    return output, partial(_loss_func, loss_mask)
+    batch = prepare(next(data_iterator))
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
 
 
 def _global_mean_loss(losses_reduced: list[dict], device: torch.device) -> float:
@@ -100,6 +98,14 @@ def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, optimizer) -> None:
         tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
 
 
+def _batch_preparer(cfg: ExperimentConfig, device: torch.device) -> BatchPreparer:
+    d = cfg.data
+    if not d.document_mask:
+        return BatchPreparer(device)
+    eod = load_tokenizer(d.tokenizer.type, d.tokenizer.path).eod
+    return BatchPreparer(device, eod=eod, reset_positions=d.reset_position_ids)
+
+
 class Stepper:
     """Runs training steps and validation passes for a fixed model, optimizer and batch shape."""
 
@@ -115,7 +121,7 @@ class Stepper:
         _wire_schedule_hooks(cfg, model, optimizer)
         select_adam_kernel(optimizer)
         self._schedule = get_forward_backward_func()
-        self._forward_step = partial(forward_step, device)
+        self._forward_step = partial(forward_step, _batch_preparer(cfg, device))
         m = cfg.model
         self.router_stats = (
             RouterStats(model, m.num_layers, m.num_experts, self.num_microbatches, device)

@@ -84,8 +84,9 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
     p = cfg.parallel
     experts = f" EP={p.expert} ETP={p.expert_tensor or p.tensor}" if cfg.model.num_experts else ""
+    context = f" CP={p.context}" if p.context > 1 else ""
     log.info(
-        f"layout TP={p.tensor} PP={p.pipeline} VPP={p.virtual_pipeline or 1} DP={dp}{experts} "
+        f"layout TP={p.tensor} PP={p.pipeline} VPP={p.virtual_pipeline or 1}{context} DP={dp}{experts} "
         f"on {rt.world_size} {rt.device.type} "
         f"ranks | {stepper.num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
         f"{layer_implementation(cfg)[1]}, {str(rt.dtype).removeprefix('torch.')}"

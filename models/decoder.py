@@ -20,6 +20,7 @@ from megatron_train.models import counts
 from megatron_train.models.common import shared_options
 from megatron_train.models.family import Family
 from megatron_train.models.hf_tensors import HfMapping, MoeNames, tensors
+from megatron_train.models.layers import RotaryAtPositions
 from megatron_train.models.specs import decoder_block_spec
 
 _SCALED_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
@@ -98,6 +99,8 @@ def build_model_chunks(
             rope_scaling_factor=cfg.model.rope_scaling_factor,
             vp_stage=vp_stage,
         )
+        if cfg.data.reset_position_ids:
+            RotaryAtPositions.attach(model)
         chunks.append(model)
     return chunks
 

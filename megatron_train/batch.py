@@ -1,0 +1,60 @@
+"""What one micro-batch feeds the model on this rank: document masks and positions for packed
+sequences, then this rank's share of the sequence under context parallelism.
+
+Documents are found on the device from the tokens themselves (each ends with the tokenizer's
+EOD), so the data loader never builds a sequence-squared mask per sample.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """``[batch, seq]``: which document of its sample each token belongs to (a document ends with
+    its EOD token; the sample's first, possibly partial, document is 0)."""
+    ends = (tokens == eod).to(torch.int32)
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]``: each token's position within its own document."""
+    index = torch.arange(documents.size(1), device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+def document_attention_mask(documents: torch.Tensor) -> torch.Tensor:
+    """megatron's ``[batch, 1, seq, seq]`` attention mask (True: may not attend): causal, and
+    only within a token's own document."""
+    seq = documents.size(1)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    same_document = documents.unsqueeze(2) == documents.unsqueeze(1)
+    return ~(causal & same_document).unsqueeze(1)
+
+
+class BatchPreparer:
+    """Moves a loader's micro-batch to the device and shapes it for this rank's model."""
+
+    def __init__(self, device: torch.device, eod: int | None = None, reset_positions: bool = False):
+        """``eod``: mask attention within documents ending with this token (None: plain causal);
+        ``reset_positions``: RoPE positions restart at 0 in each document."""
+        self.device, self.eod, self.reset_positions = device, eod, reset_positions
+
+    def __call__(self, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        batch = {key: loaded[key].to(self.device, non_blocking=True) for key in _KEYS}
+        batch["attention_mask"] = None
+        if self.eod is not None:
+            documents = document_ids(batch["tokens"], self.eod)
+            batch["attention_mask"] = document_attention_mask(documents)
+            if self.reset_positions:
+                batch["position_ids"] = document_positions(documents)
+        if parallel_state.get_context_parallel_world_size() > 1:
+            # Chunks i and 2CP-1-i of 2CP, so causal attention costs every CP rank the same.
+            batch = get_batch_on_this_cp_rank(batch)
+        return batch
