@@ -11,6 +11,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_train.config import ExperimentConfig
+from megatron_train.tokenizer import load_tokenizer
+
 _KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
@@ -45,6 +48,15 @@ class BatchPreparer:
         """``eod``: mask attention within documents ending with this token (None: plain causal);
         ``reset_positions``: RoPE positions restart at 0 in each document."""
         self.device, self.eod, self.reset_positions = device, eod, reset_positions
+
+    @classmethod
+    def for_config(cls, cfg: ExperimentConfig, device: torch.device) -> BatchPreparer:
+        """What ``data.document_mask`` and ``data.reset_position_ids`` ask for."""
+        d = cfg.data
+        if not d.document_mask:
+            return cls(device)
+        eod = load_tokenizer(d.tokenizer.type, d.tokenizer.path).eod
+        return cls(device, eod=eod, reset_positions=d.reset_position_ids)
 
     def __call__(self, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         batch = {key: loaded[key].to(self.device, non_blocking=True) for key in _KEYS}

@@ -17,7 +17,6 @@ from megatron_train.config import ExperimentConfig
 from megatron_train.model import aligns_param_gather
 from megatron_train.moe_stats import RouterStats
 from megatron_train.optim import select_adam_kernel
-from megatron_train.tokenizer import load_tokenizer
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -98,14 +97,6 @@ def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, optimizer) -> None:
         tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
 
 
-def _batch_preparer(cfg: ExperimentConfig, device: torch.device) -> BatchPreparer:
-    d = cfg.data
-    if not d.document_mask:
-        return BatchPreparer(device)
-    eod = load_tokenizer(d.tokenizer.type, d.tokenizer.path).eod
-    return BatchPreparer(device, eod=eod, reset_positions=d.reset_position_ids)
-
-
 class Stepper:
     """Runs training steps and validation passes for a fixed model, optimizer and batch shape."""
 
@@ -121,7 +112,7 @@ class Stepper:
         _wire_schedule_hooks(cfg, model, optimizer)
         select_adam_kernel(optimizer)
         self._schedule = get_forward_backward_func()
-        self._forward_step = partial(forward_step, _batch_preparer(cfg, device))
+        self._forward_step = partial(forward_step, BatchPreparer.for_config(cfg, device))
         m = cfg.model
         self.router_stats = (
             RouterStats(model, m.num_layers, m.num_experts, self.num_microbatches, device)

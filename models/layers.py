@@ -141,10 +141,9 @@ class SDPAttention(MegatronModule):
         for half, index in enumerate((rank, 2 * self.context - 1 - rank)):
             end = (index + 1) * chunk
             q_half = q[:, :, half * chunk : (half + 1) * chunk]
+            k_seen, v_seen = k[:, :, :end], v[:, :, :end]
             mask = causal_lower_right(chunk, end)
-            outputs.append(
-                F.scaled_dot_product_attention(q_half, k[:, :, :end], v[:, :, :end], mask, dropout_p, **kwargs)
-            )
+            outputs.append(F.scaled_dot_product_attention(q_half, k_seen, v_seen, mask, dropout_p, **kwargs))
         return torch.cat(outputs, dim=2)
 
 
@@ -176,6 +175,8 @@ class RotaryAtPositions(torch.nn.Module):
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.rotary.get_rotary_seq_len(*args, **kwargs)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None
+    ) -> torch.Tensor:
         table = self.rotary.get_emb(max_seq_len, offset)  # [seq, 1, 1, dim]
         return table[self.positions.t()].squeeze(2)  # [local seq, batch, 1, dim]
