@@ -2,13 +2,18 @@
 sequences, then this rank's share of the sequence under context parallelism.
 
 Documents are found on the device from the tokens themselves (each ends with the tokenizer's
-EOD), so the data loader never builds a sequence-squared mask per sample.
+EOD), so the data loader never builds a sequence-squared mask per sample. Our local attention
+takes the mask as megatron's ``attention_mask``; Transformer Engine's takes the documents as one
+packed ``thd`` sequence with their boundaries (``cu_seqlens``), and restarts RoPE positions at
+each boundary whatever ``reset_positions`` says.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_train.config import ExperimentConfig
@@ -41,26 +46,57 @@ def document_attention_mask(documents: torch.Tensor) -> torch.Tensor:
     return ~(causal & same_document).unsqueeze(1)
 
 
+def packed_documents(documents: torch.Tensor) -> PackedSeqParams:
+    """The documents of a one-sample micro-batch as one ``thd`` sequence for Transformer Engine's
+    attention: where each starts (``cu_seqlens``)."""
+    lengths = torch.unique_consecutive(documents.view(-1), return_counts=True)[1]
+    starts = F.pad(torch.cumsum(lengths, 0), (1, 0)).to(torch.int32)
+    longest = int(lengths.max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=starts,
+        cu_seqlens_kv=starts,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
 class BatchPreparer:
     """Moves a loader's micro-batch to the device and shapes it for this rank's model."""
 
-    def __init__(self, device: torch.device, eod: int | None = None, reset_positions: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        eod: int | None = None,
+        reset_positions: bool = False,
+        transformer_engine: bool = False,
+    ):
         """``eod``: mask attention within documents ending with this token (None: plain causal);
-        ``reset_positions``: RoPE positions restart at 0 in each document."""
+        ``reset_positions``: RoPE positions restart at 0 in each document; ``transformer_engine``:
+        documents go to Transformer Engine's attention as a packed sequence."""
         self.device, self.eod, self.reset_positions = device, eod, reset_positions
+        self.transformer_engine = transformer_engine
 
     @classmethod
-    def for_config(cls, cfg: ExperimentConfig, device: torch.device) -> BatchPreparer:
+    def for_config(
+        cls, cfg: ExperimentConfig, device: torch.device, transformer_engine: bool
+    ) -> BatchPreparer:
         """What ``data.document_mask`` and ``data.reset_position_ids`` ask for."""
         d = cfg.data
         if not d.document_mask:
             return cls(device)
         eod = load_tokenizer(d.tokenizer.type, d.tokenizer.path).eod
-        return cls(device, eod=eod, reset_positions=d.reset_position_ids)
+        return cls(device, eod, d.reset_position_ids, transformer_engine)
 
-    def __call__(self, loaded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    def __call__(self, loaded: dict[str, torch.Tensor]) -> dict:
+        """``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and the model's
+        ``attention_mask`` (None unless documents are masked on the local path), plus
+        ``packed_seq_params`` for Transformer Engine's document masking."""
         batch = {key: loaded[key].to(self.device, non_blocking=True) for key in _KEYS}
         batch["attention_mask"] = None
+        if self.eod is not None and self.transformer_engine:
+            batch["packed_seq_params"] = packed_documents(document_ids(batch["tokens"], self.eod))
+            return batch
         if self.eod is not None:
             documents = document_ids(batch["tokens"], self.eod)
             batch["attention_mask"] = document_attention_mask(documents)

@@ -94,8 +94,30 @@ def aligns_param_gather(cfg: ExperimentConfig) -> bool:
     return overlapped and (cfg.parallel.virtual_pipeline or 1) > 1
 
 
+def _check_documents_on_transformer_engine(cfg: ExperimentConfig) -> None:
+    """Transformer Engine masks documents through one packed sequence per micro-batch."""
+    if not cfg.data.document_mask:
+        return
+    if cfg.parallel.context > 1:
+        raise ConfigError(
+            "data.document_mask",
+            "with parallel.context > 1 runs on our local attention only (Transformer Engine's packed "
+            "sequences would need every document padded to a multiple of 2 x parallel.context)",
+            "set model.transformer_impl=local, parallel.context=1 or data.document_mask=false",
+        )
+    if cfg.train.micro_batch_size > 1:
+        raise ConfigError(
+            "train.micro_batch_size",
+            f"is {cfg.train.micro_batch_size}, but Transformer Engine's document masking packs one sample "
+            "per micro-batch (as Megatron-LM does)",
+            "set train.micro_batch_size=1 or model.transformer_impl=local",
+        )
+
+
 def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParallel]:
     """Build, initialise and DDP-wrap this rank's model chunks."""
+    if use_transformer_engine(cfg):
+        _check_documents_on_transformer_engine(cfg)
     chunks = build_chunks(cfg, rt)
     initialize_weights(chunks, family_of(cfg.model), cfg.model, cfg.train.seed)
     mark_tensor_parallel_weights(chunks)

@@ -14,7 +14,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_train.batch import BatchPreparer
 from megatron_train.config import ExperimentConfig
-from megatron_train.model import aligns_param_gather
+from megatron_train.model import aligns_param_gather, use_transformer_engine
 from megatron_train.moe_stats import RouterStats
 from megatron_train.optim import select_adam_kernel
 
@@ -31,7 +31,10 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(prepare: BatchPreparer, data_iterator: Iterator, model):
     """megatron's forward_step_func: run one micro-batch, return output and its loss function."""
     batch = prepare(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+        packed_seq_params=batch.get("packed_seq_params"),
+    )  # fmt: skip
     return output, partial(_loss_func, batch["loss_mask"])
 
 
@@ -112,7 +115,9 @@ class Stepper:
         _wire_schedule_hooks(cfg, model, optimizer)
         select_adam_kernel(optimizer)
         self._schedule = get_forward_backward_func()
-        self._forward_step = partial(forward_step, BatchPreparer.for_config(cfg, device))
+        self._forward_step = partial(
+            forward_step, BatchPreparer.for_config(cfg, device, use_transformer_engine(cfg))
+        )
         m = cfg.model
         self.router_stats = (
             RouterStats(model, m.num_layers, m.num_experts, self.num_microbatches, device)

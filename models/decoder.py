@@ -99,7 +99,8 @@ def build_model_chunks(
             rope_scaling_factor=cfg.model.rope_scaling_factor,
             vp_stage=vp_stage,
         )
-        if cfg.data.reset_position_ids:
+        if cfg.data.reset_position_ids and not use_transformer_engine:
+            # Transformer Engine's packed sequences restart positions per document themselves.
             RotaryAtPositions.attach(model)
         chunks.append(model)
     return chunks

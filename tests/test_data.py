@@ -9,11 +9,13 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_train import batch
 from megatron_train.tokenizer import load_tokenizer
 from tests.conftest import ROOT, run_tool, torchrun_command, torchrun_env, write_config
 
@@ -111,3 +113,20 @@ def test_index_build_longer_than_the_collective_timeout(tmp_path, corpus):
     assert "3" in codes and codes <= {"3", "-15"}, result.stderr[-4000:]
     built_in = float(re.search(r"datasets ready in ([\d.]+) s: 256,", result.stdout).group(1))
     assert built_in > 12, f"the index built in {built_in} s, within the timeout: the test proves nothing"
+
+
+EOD = 2
+PACKED = torch.tensor([[5, 7, EOD, 3, EOD, 9, 9, 9]])  # a document's end, a whole one, a start
+
+
+def test_documents_are_found_from_their_eod_tokens():
+    documents = batch.document_ids(PACKED, EOD)
+    assert documents.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert batch.document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    may_attend = ~batch.document_attention_mask(documents)[0, 0]
+    assert [row.nonzero().view(-1).tolist() for row in may_attend] == [
+        [0], [0, 1], [0, 1, 2], [3], [3, 4], [5], [5, 6], [5, 6, 7],
+    ]  # fmt: skip
+    packed = batch.packed_documents(documents)
+    assert packed.qkv_format == "thd" and packed.cu_seqlens_q.tolist() == [0, 3, 5, 8]
+    assert packed.max_seqlen_q == packed.max_seqlen_kv == 3

@@ -24,7 +24,7 @@ LAYERS = [
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory", "moe_stats"],
-    ["data", "step", "metrics", "stopping", "evaluation"],
+    ["data", "batch", "step", "metrics", "stopping", "evaluation"],
     ["checkpoint.state", "checkpoint.policy", "checkpoint.streaming_save", "checkpoint.manager"],
     ["hf.convert", "inference", "warm_start"],
     ["train", "preflight", "cli"],

@@ -16,7 +16,7 @@ from megatron.core import parallel_state
 from megatron_train import runtime
 from megatron_train.batch import BatchPreparer
 from megatron_train.init import initialize_weights
-from megatron_train.model import build_chunks
+from megatron_train.model import build_chunks, use_transformer_engine
 from megatron_train.models.registry import family_of
 from megatron_train.resolve import resolve
 from megatron_train.tokenizer import load_tokenizer
@@ -67,7 +67,7 @@ def main() -> None:
         text += (text >= eod).long()  # raw text never holds EOD
         documents.append(torch.cat([text, torch.tensor([eod])]))
     packed = torch.cat(documents + [torch.tensor([eod])])  # + the label of the last EOD
-    prepare = BatchPreparer.for_config(cfg, rt.device)
+    prepare = BatchPreparer.for_config(cfg, rt.device, use_transformer_engine(cfg))
     with torch.no_grad():
         results = {"packed": per_token_losses(model, prepare, packed.to(rt.device))}
         if env.world_size == 1:
