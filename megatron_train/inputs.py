@@ -120,7 +120,14 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     if not cfg.data.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     dtypes = {prefix: check_indexed_dataset(prefix) for prefix in blend_prefixes(cfg.data.blend)}
-    vocab = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path).vocab_size
+    tokenizer = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
+    vocab = tokenizer.vocab_size
+    if cfg.data.document_mask and tokenizer.eod is None:
+        raise ConfigError(
+            "data.document_mask",
+            f"needs documents to end with an end-of-document token, but {cfg.data.tokenizer.path} has none",
+            "use a tokenizer with an EOS token (and preprocess with it) or set data.document_mask=false",
+        )
     for prefix, dtype in dtypes.items():
         if np.issubdtype(dtype, np.integer) and vocab - 1 > np.iinfo(dtype).max:
             raise ConfigError(

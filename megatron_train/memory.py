@@ -5,14 +5,17 @@ pipeline stage. Preflight reports it and refuses layouts that do not fit.
 Activations are counted per token and layer for a Llama-style block as megatron-core saves them
 for backward with flash / SDPA attention (no score matrix); tensors of hidden size are split over
 TP only with sequence parallelism. A mixture of experts counts each token's top-k copies and the
-experts it reaches; routed experts' weights are split over EP x expert-TP ranks. The last stage
-adds the logits and the cross-entropy's fp32 softmax. ``benchmarks/memory_model.py`` measures
+experts it reaches; routed experts' weights are split over EP x expert-TP ranks. Context
+parallelism splits every sequence's tokens; our own CP attention adds the gathered keys and
+values, and its document mask a byte per query-key pair. The last stage adds the logits and the
+cross-entropy's fp32 softmax. ``benchmarks/memory_model.py`` measures
 peak memory for comparison (``tests/test_memory.py`` holds it within 15%).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 from megatron_train.config import ExperimentConfig, data_parallel_size
@@ -60,7 +63,9 @@ def _layer_values_per_token(cfg: ExperimentConfig, te: bool) -> dict[str, float]
     if te:
         return {"layer input": hidden, "norms": 3 * hidden, "attention": (3 * q + 3 * kv) / p.tensor,
                 "mlp": mlp}  # fmt: skip
-    return {"layer input": hidden, "norms": 5 * hidden, "attention": (4 * q + 3 * kv) / p.tensor,
+    # Our context-parallel attention keeps the whole sequence's keys and values, gathered.
+    gathered = 2 * kv * (p.context - 1)
+    return {"layer input": hidden, "norms": 5 * hidden, "attention": (4 * q + 3 * kv + gathered) / p.tensor,
             "mlp": mlp}  # fmt: skip
 
 
@@ -112,6 +117,8 @@ def estimate(cfg: ExperimentConfig, world_size: int, on_gpu: bool = True) -> Mem
     tokens = t.micro_batch_size * cfg.data.seq_length / p.context
     # The logits, and the cross-entropy's fp32 softmax (and fp32 copy of bf16 logits).
     logits = tokens * m.padded_vocab_size / p.tensor * (elem + (8 if bf16 else 4))
+    # Our attention's document mask: a byte per (local query, key) pair, shared by the layers.
+    mask = tokens * cfg.data.seq_length if cfg.data.document_mask and not te else 0.0
     stages = {
         "first": (count.first + layers * count.per_layer + (count.last if p.pipeline == 1 else 0),
                   _in_flight(cfg, microbatches), logits if p.pipeline == 1 else 0.0),
@@ -133,7 +140,7 @@ def estimate(cfg: ExperimentConfig, world_size: int, on_gpu: bool = True) -> Mem
                 weights=elem * params,
                 grads=(4 if cfg.ddp.grad_reduce_in_fp32 or not bf16 else 2) * params,
                 optimizer=((4 if bf16 else 0) + 8) * (dense / shards + experts_here / expert_shards),
-                activations=in_flight * _layer_bytes(cfg, te, tokens, elem, layers) + last_logits,
+                activations=in_flight * (_layer_bytes(cfg, te, tokens, elem, layers) + mask) + last_logits,
             )
         )
     return max(estimates, key=lambda e: e.total)
@@ -147,31 +154,34 @@ _RECOMPUTE_OVERRIDES = {
 
 
 def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) -> list[str]:
-    """Up to three layouts of ``world_size`` GPUs (TP within a node, PP, recompute) that fit,
+    """Up to three layouts of ``world_size`` GPUs (TP within a node, PP, CP, recompute) that fit,
     least model parallelism and recompute first, as override strings."""
-    m = cfg.model
+    m, seq = cfg.model, cfg.data.seq_length
     found = []
-    for recompute in ("none", "selective", "full"):
-        for tensor in (1, 2, 4, 8):
-            for pipeline in (1, 2, 4, 8, 16):
-                if world_size % (tensor * pipeline) or m.num_layers % pipeline or m.query_groups % tensor:
-                    continue
-                parallel = dataclasses.replace(
-                    cfg.parallel,
-                    tensor=tensor,
-                    pipeline=pipeline,
-                    virtual_pipeline=None,
-                    sequence_parallel=tensor > 1,
-                )
-                model = dataclasses.replace(m, recompute=recompute, recompute_modules=["mlp", "layernorm"])
-                trial = dataclasses.replace(cfg, parallel=parallel, model=model)
-                dp = data_parallel_size(trial, world_size)
-                if trial.train.global_batch_size % (trial.train.micro_batch_size * dp):
-                    continue
-                if estimate(trial, world_size).total <= limit_bytes:
-                    extra = _RECOMPUTE_OVERRIDES[recompute]
-                    sp = " parallel.sequence_parallel=true" if tensor > 1 else ""
-                    found.append(f"parallel.tensor={tensor} parallel.pipeline={pipeline}{sp}{extra}")
-                if len(found) == 3:
-                    return found
+    sizes = itertools.product(("none", "selective", "full"), (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16))
+    for recompute, tensor, pipeline, context in sizes:
+        if world_size % (tensor * pipeline * context) or m.num_layers % pipeline or m.query_groups % tensor:
+            continue
+        if seq % (2 * context) or (seq // context) % tensor:
+            continue
+        parallel = dataclasses.replace(
+            cfg.parallel,
+            tensor=tensor,
+            pipeline=pipeline,
+            virtual_pipeline=None,
+            context=context,
+            sequence_parallel=tensor > 1,
+        )
+        model = dataclasses.replace(m, recompute=recompute, recompute_modules=["mlp", "layernorm"])
+        trial = dataclasses.replace(cfg, parallel=parallel, model=model)
+        dp = data_parallel_size(trial, world_size)
+        if trial.train.global_batch_size % (trial.train.micro_batch_size * dp):
+            continue
+        if estimate(trial, world_size).total <= limit_bytes:
+            extra = _RECOMPUTE_OVERRIDES[recompute]
+            sp = " parallel.sequence_parallel=true" if tensor > 1 else ""
+            cp = f" parallel.context={context}" if context > 1 else ""
+            found.append(f"parallel.tensor={tensor} parallel.pipeline={pipeline}{cp}{sp}{extra}")
+        if len(found) == 3:
+            return found
     return found

@@ -269,6 +269,13 @@ CASES = [
         "every Mixtral model is a mixture of experts",
     ),  # fmt: skip
     Case("resume-dense-run-as-moe", "train", _train("model.preset=qwen3-moe-tiny"), "architecture mismatch"),
+    # train: long context
+    Case(
+        "reset-positions-without-document-mask",
+        "train",
+        _train("data.reset_position_ids=true", FRESH),
+        "data.document_mask is false",
+    ),
     # train: data and tokenizer
     Case("blend-odd-pairs", "train", _train("data.blend=[0.5, WS/corpus/stdlib, 0.5]"), "pairs"),
     Case("blend-zero-weights", "train", _train("data.blend=[0, WS/corpus/stdlib]"), "all 0"),
@@ -459,6 +466,12 @@ CASES = [
         "--gpu-memory-gib",
     ),
     Case("preflight-unknown-flag", "preflight", _args("--config", "WS/cfg.yaml", "--nodez", "2"), "--nodez"),
+    Case(
+        "preflight-context-splits-sequence-unevenly",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "4", "parallel.context=4", "data.seq_length=60"),
+        "2 x parallel.context = 8",
+    ),
     Case(
         "preflight-save-dir-under-file",
         "preflight",

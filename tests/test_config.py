@@ -53,6 +53,21 @@ BAD_INPUTS = [
     ),
     (["model.recompute=everything"], 1, "model.recompute"),
     (["ddp.overlap_param_gather=true", "optimizer.distributed=false"], 1, "ddp.overlap_param_gather"),
+    (["parallel.context=4", "data.seq_length=60"], 4, "data.seq_length"),
+    (["parallel.context=3"], 2, "parallel.tensor"),
+    (
+        [
+            "parallel.context=2",
+            "parallel.tensor=4",
+            "parallel.sequence_parallel=true",
+            "data.seq_length=20",
+            "model.num_query_groups=4",
+        ],
+        8,
+        "data.seq_length",
+    ),
+    (["data.reset_position_ids=true"], 1, "data.reset_position_ids"),
+    (["data.document_mask=maybe"], 1, "data.document_mask"),
 ]
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from megatron_train.memory import estimate
 from megatron_train.preflight import main as preflight
-from tests.conftest import run_tool, write_config
+from megatron_train.resolve import load_config
+from tests.conftest import ROOT, run_tool, write_config
 
 LAYOUTS = [
     # (ranks, overrides): one micro-batch of 2 x 512 tokens of the `small` preset, fp32 on CPU
@@ -16,6 +19,8 @@ LAYOUTS = [
     (2, ["train.global_batch_size=4"]),
     # 16 experts of which each rank holds 8 (EP2), 4 per token
     (2, ["model.preset=qwen3-moe-small", "parallel.expert=2", "train.global_batch_size=4"]),
+    # our context-parallel attention, keys and values gathered
+    (2, ["parallel.context=2", "train.global_batch_size=2"]),
     (1, ["model.recompute=full", "train.global_batch_size=2"]),
     (
         1,
@@ -60,3 +65,12 @@ def test_preflight_refuses_a_layout_above_gpu_memory_and_names_ones_that_fit(tmp
     assert preflight([*args, "parallel.tensor=2", "parallel.sequence_parallel=true"]) == 0
     report = capsys.readouterr().out
     assert "memory per GPU (estimate, only stage)" in report and "GiB of 80" in report
+
+
+def test_the_long_context_config_fits_thanks_to_context_parallelism():
+    """128k tokens per sequence on 64 GPUs: TP4 x CP8 fits an 80 GiB H100, TP4 alone does not."""
+    cfg = load_config(ROOT / "configs" / "llama3_8b_128k.yaml")
+    assert cfg.data.seq_length == 131072 and cfg.parallel.context == 8
+    assert estimate(cfg, 64).total < 60 * 2**30
+    without = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context=1))
+    assert estimate(without, 64).total > 80 * 2**30
