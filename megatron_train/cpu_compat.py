@@ -31,6 +31,15 @@ def _is_cuda_device(device: Any) -> bool:
     return False
 
 
+def _plain_backward(kwargs: dict) -> bool:
+    """Whether ``torch.autograd.backward`` was dispatched with explicit gradients and nothing else."""
+    return (
+        kwargs.get("grad_tensors") is not None
+        and not kwargs.get("create_graph")
+        and kwargs.get("inputs") is None
+    )
+
+
 class _CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA devices to CPU in every torch call that takes one.
 
@@ -47,6 +56,18 @@ class _CpuDeviceMode(TorchFunctionMode):
             kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.autograd.backward and _plain_backward(kwargs):
+            # megatron's activation recompute calls torch.autograd.backward(outputs, grads) from
+            # inside the backward pass. Dispatching it here popped this mode, so the recomputed
+            # part's backward (and the collectives it allocates for) would run without it: run
+            # the engine directly, as megatron's custom_backward does, with the mode pushed back.
+            grads = kwargs["grad_tensors"]
+            grads = (grads,) if isinstance(grads, torch.Tensor) else tuple(grads)
+            with self:
+                torch.autograd.Variable._execution_engine.run_backward(
+                    tuple(args[0]), grads, bool(kwargs["retain_graph"]), False, (), True, True
+                )
+            return None
         return func(*args, **kwargs)
 
 

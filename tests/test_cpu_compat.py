@@ -48,6 +48,23 @@ SCRIPT = textwrap.dedent(
     with tensor_parallel.get_cuda_rng_tracker().fork():
         again = torch.rand(4)
     assert not torch.equal(inside, again), "the tracked stream advances"
+
+    # Recompute runs torch.autograd.backward inside the backward pass (megatron's
+    # CheckpointFunction); the redirect must hold there too, where collectives allocate on "cuda".
+    class AllocatesInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2 + torch.zeros(grad.shape, device=torch.cuda.current_device())
+
+    x = torch.ones(3, requires_grad=True)
+    y = tensor_parallel.checkpoint(AllocatesInBackward.apply, False, x)
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+    custom_backward(y.sum(), None)
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
     print("OK")
     """
 )
