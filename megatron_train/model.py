@@ -12,7 +12,7 @@ from megatron_train.errors import ConfigError
 from megatron_train.init import initialize_weights
 from megatron_train.megatron_compat import (
     mark_tensor_parallel_weights,
-    moe_aux_loss_under_sequence_parallel,
+    moe_aux_loss_over_split_sequences,
     moe_router_without_transformer_engine,
     moe_split_sizes_on_cpu,
     recompute_without_transformer_engine,
@@ -64,7 +64,7 @@ def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     recompute_without_transformer_engine()
     moe_router_without_transformer_engine()
     moe_split_sizes_on_cpu()
-    moe_aux_loss_under_sequence_parallel()
+    moe_aux_loss_over_split_sequences()
     chunks = family.build_model_chunks(cfg, family.transformer_config(cfg, rt.dtype, te), te)
     for chunk in chunks:
         chunk.to(rt.device)

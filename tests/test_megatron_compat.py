@@ -53,7 +53,8 @@ def test_dp_reshardable_load_still_copies_the_requested_step_with_autograd_on():
 
 def test_moe_workarounds_are_still_needed():
     """What the MoE entries work around; test_moe's expert-parallel layouts (EP2 x TP2 with
-    sequence parallelism among them) equal one rank only with them in place."""
+    sequence parallelism among them) and test_context_parallel's MoE layout equal one rank only
+    with them in place."""
     import torch
     from megatron.core.transformer.moe import moe_utils
 
@@ -69,7 +70,7 @@ def test_moe_workarounds_are_still_needed():
         "else activation.shape[0]" in attach
         and "tp_group" not in attach
         and "sequence_parallel" not in attach
-    ), "megatron now scales the load-balancing loss for sequence parallelism itself"
+    ), "megatron now scales the load-balancing loss for split sequences (SP, CP) itself"
 
 
 SCRIPT = textwrap.dedent(

@@ -57,6 +57,8 @@ LAYOUTS = [
     (4, ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]),
     (4, ["parallel.expert=2", "parallel.pipeline=2"]),
     (4, ["parallel.expert=4", "model.moe_token_dispatcher=allgather"]),
+    # EP ranks from context-parallel ones: each holds half of every sequence's tokens
+    (4, ["parallel.expert=2", "parallel.context=2"]),
 ]
 
 
