@@ -95,7 +95,7 @@ class SDPAttention(MegatronModule):
         self.context = config.context_parallel_size
         if self.context > 1:
             self.context_group = parallel_state.get_context_parallel_group()
-            self.chunk_order = _chunks_in_sequence_order(self.context)
+            self.register_buffer("chunk_order", _chunks_in_sequence_order(self.context), persistent=False)
 
     def forward(
         self,
@@ -110,8 +110,6 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("packed sequences and attention bias need Transformer Engine")
         if self.context > 1:
-            if self.chunk_order.device != key.device:
-                self.chunk_order = self.chunk_order.to(key.device)
             key, value = (_gather_sequence(t, self.context_group, self.chunk_order) for t in (key, value))
         # megatron passes [seq, batch, heads, dim]; SDPA wants [batch, heads, seq, dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
