@@ -1,6 +1,7 @@
 """Run under torchrun: per-token losses of one packed sample through the training model's batch
 path (``data.document_mask``, ``data.reset_position_ids``, the context-parallel split) at CP =
-the launched ranks, and, on one rank, of each of its documents alone. Saved on rank 0.
+the launched ranks, and, on one rank, of each of its documents alone and of the sample without
+the mask. Saved on rank 0.
 
 torchrun --nproc-per-node N tests/helpers/documents_worker.py --config C --out o.pt OVERRIDE...
 """
@@ -71,8 +72,9 @@ def main() -> None:
     with torch.no_grad():
         results = {"packed": per_token_losses(model, prepare, packed.to(rt.device))}
         if env.world_size == 1:
-            alone = BatchPreparer(rt.device)
-            results["alone"] = [per_token_losses(model, alone, doc.to(rt.device)) for doc in documents]
+            plain = BatchPreparer(rt.device)
+            results["alone"] = [per_token_losses(model, plain, doc.to(rt.device)) for doc in documents]
+            results["unmasked"] = per_token_losses(model, plain, packed.to(rt.device))
     if rt.is_main:
         results["lengths"] = [doc.numel() for doc in documents]
         torch.save(results, args.out)
