@@ -593,7 +593,7 @@ def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:
 
 def _validate_context(cfg: ExperimentConfig) -> None:
     p, d = cfg.parallel, cfg.data
-    if d.seq_length % (2 * p.context):
+    if p.context > 1 and d.seq_length % (2 * p.context):
         raise ConfigError(
             "data.seq_length",
             f"{d.seq_length} is not divisible by 2 x parallel.context = {2 * p.context} "

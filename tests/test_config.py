@@ -20,6 +20,9 @@ def test_good_config_loads_and_validates(good_config):
     validate(cfg, world_size=4)
     assert cfg.parallel.tensor == 2 and cfg.optimizer.lr == 2e-4
     assert cfg.model.num_layers == 4, "preset values fill unset keys"
+    # Only context parallelism needs the sequence cut into 2 x CP chunks.
+    validate(load_config(good_config, ["data.seq_length=63"]), world_size=1)
+    validate(load_config(good_config, ["data.seq_length=60", "parallel.context=2"]), world_size=2)
 
 
 BAD_INPUTS = [
