@@ -25,7 +25,8 @@ SAVED_AT = 5
 def cp_config(tmp_path: Path, corpus, name: str, **checkpoint) -> Path:
     return write_config(
         tmp_path / f"{name}.yaml", corpus, tmp_path / name, optimizer=SMALL_LR,
-        train={"steps": STEPS, "eval_interval": 0}, checkpoint=checkpoint,
+        train={"steps": STEPS, "global_batch_size": 4, "eval_interval": 0},
+        checkpoint={"save_at_end": False, **checkpoint},
     )  # fmt: skip
 
 
