@@ -176,5 +176,6 @@ class RotaryAtPositions(torch.nn.Module):
     def forward(
         self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None
     ) -> torch.Tensor:
-        table = self.rotary.get_emb(max_seq_len, offset)  # [seq, 1, 1, dim]
+        # packed_seq: megatron's whole (cached) table, not this context-parallel rank's slice of it.
+        table = self.rotary(max_seq_len, offset, packed_seq=True)  # [seq, 1, 1, dim]
         return table[self.positions.t()].squeeze(2)  # [local seq, batch, 1, dim]
