@@ -43,7 +43,7 @@ bench: install
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/overhead.py
 	for layout in "4 parallel.tensor=2 parallel.pipeline=2" "2 parallel.tensor=1 parallel.pipeline=1" \
 	              "4 parallel.tensor=1 parallel.pipeline=1"; do set -- $$layout; nproc=$$1; shift; \
-	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/checkpoint_save.py --nproc $$nproc --repeats 3 \
+	  PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python benchmarks/checkpoint_save.py --nproc $$nproc --repeats 6 \
 	    $(CKPT_BENCH_MODEL) "$$@" || exit 1; done
 
 # An offline install kit for a GPU node that already has torch (see README).

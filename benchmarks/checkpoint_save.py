@@ -93,6 +93,7 @@ def worker(args) -> None:
             saver.close()
             saver.release()
             row["async" if async_save else "sync"] = (statistics.median(blocking), statistics.median(total))
+            row["async blocks" if async_save else "sync saves"] = blocking
         latest = max(save_dir.glob("iter_*"))
         row["size"] = sum(p.stat().st_size for p in latest.rglob("*") if p.is_file())
         for parallel in (False, True):
@@ -117,6 +118,9 @@ def worker(args) -> None:
             print(f"{fmt:18} {mib:8.1f} {sync:7.2f} {blocked:14.2f} {100 * blocked / sync:8.1f}% "
                   f"{total:13.2f} {mib / sync:10.0f} {row['load']:6.2f} {row['load_parallel']:10.2f} "
                   f"{alone:6.2f} {overlapped:11.2f}")  # fmt: skip
+        for fmt, row in rows.items():  # a median over few saves on a busy machine hides its spread
+            for what in ("sync saves", "async blocks"):
+                print(f"{fmt} {what} (s): {' '.join(f'{t:.2f}' for t in row[what])}")
     runtime.shutdown()
 
 

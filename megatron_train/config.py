@@ -366,10 +366,12 @@ class CheckpointConfig:
     fully_parallel_save: bool = True
     """Spread the writing of tensors every data-parallel rank holds (the weights) over those
     ranks, instead of the first one writing all of them."""
-    fully_parallel_load: bool = False
+    fully_parallel_load: bool | Literal["auto"] = "auto"
     """Each data-parallel rank reads a share of the tensors they all need and the ranks exchange
-    the rest, instead of every rank reading all of it: for shared filesystems where reading
-    dominates (off by default, as in Megatron-LM; slower where the files sit in the page cache)."""
+    the rest, instead of every rank reading all of it. ``auto``: when the data-parallel ranks
+    span several nodes, each of which would otherwise read the same bytes from the shared
+    filesystem; ranks on one node share its page cache, where the exchange costs more than the
+    repeated read."""
     checksums: bool = True
     """Record a SHA-256 of every file in the completion record (computed in the background)."""
     verify_checksums: bool = False

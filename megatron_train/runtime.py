@@ -38,6 +38,12 @@ def launch_env() -> LaunchEnv:
     return LaunchEnv(0, 1, 0)
 
 
+def node_name() -> str:
+    """The node this process runs on: Slurm's name for it, else the host name (Slurm may run
+    several named nodes on one host)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.safe_load import UnsafeCheckpointError, safe_unpickling
+from tests.conftest import ROOT, torchrun_env
 
 
 def make_checkpoint(save_dir: Path, iteration: int, complete: bool = True) -> Path:
@@ -150,3 +153,15 @@ def test_torch_load_is_weights_only_inside_safe_unpickling(tmp_path, monkeypatch
         with pytest.raises(pickle.UnpicklingError):
             torch.load(tmp_path / "bad.pt", weights_only=False)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_parallel_load_auto_shares_the_reading_only_across_nodes():
+    # Ranks of one node share its page cache; ranks on two nodes would each read every byte.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "tests/helpers/parallel_load_worker.py", "n1,n1", "n1,n2"]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=99)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "n1,n1 auto -> False", "n1,n1 True -> True", "n1,n1 False -> False",
+        "n1,n2 auto -> True", "n1,n2 True -> True", "n1,n2 False -> False",
+    ]  # fmt: skip

@@ -10,6 +10,7 @@ the files (sizes, SHA-256) in a thread, then moves the tracker and applies reten
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import shutil
@@ -26,7 +27,7 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-from megatron_train import megatron_compat
+from megatron_train import megatron_compat, runtime
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.policy import SavePolicy
@@ -69,6 +70,22 @@ def _serve_while_parent_lives() -> None:
     threading.Thread(target=exit_with_parent, daemon=True).start()
 
 
+# How far below training the background writer runs (os.nice). Its files are not urgent; the
+# training step is, and on a busy node (data workers, a few cores per GPU) the two compete.
+WRITER_NICENESS = 10
+
+
+def _yielding(write: Callable) -> Callable:
+    """``write`` (megatron's writer entry point, run in the forked writer) at a lower CPU priority."""
+
+    @functools.wraps(write)
+    def run(*args, **kwargs):
+        os.nice(WRITER_NICENESS)
+        return write(*args, **kwargs)
+
+    return run
+
+
 def _start_results_manager() -> None:
     """Start the multiprocessing Manager megatron's async writer reports results through.
 
@@ -98,6 +115,17 @@ def gathered_params(model: list) -> Iterator[None]:
     finally:
         for chunk in hooked:
             chunk.enable_forward_pre_hook()
+
+
+def reads_in_parallel(option: bool | str, group: torch.distributed.ProcessGroup) -> bool:
+    """Whether a load shares the reading over the data-parallel ``group``
+    (``checkpoint.fully_parallel_load``); ``auto`` asks the ranks where they run (one collective
+    over the group, whose ranks must all call this)."""
+    if option != "auto" or group.size() == 1:
+        return option is True and group.size() > 1
+    nodes = [None] * group.size()
+    torch.distributed.all_gather_object(nodes, runtime.node_name(), group=group)
+    return len(set(nodes)) > 1
 
 
 class Checkpointer:
@@ -162,6 +190,8 @@ class Checkpointer:
             )  # fmt: skip
         request.add_finalize_fn(lambda: self._finalize(iteration, path, start, record_fields(common)))
         if self._queue is not None:
+            if request.async_fn is not None:
+                request = request._replace(async_fn=_yielding(request.async_fn))
             self._queue.schedule_async_request(request)
         else:
             request.execute_sync()
@@ -286,7 +316,9 @@ class Checkpointer:
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True, fmt=fmt)
         if saved != now:
             del state["rng_state"]
-        loaded = read_sharded(state, path, parallel=self.options.fully_parallel_load)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        parallel = reads_in_parallel(self.options.fully_parallel_load, group)
+        loaded = read_sharded(state, path, parallel=parallel)
         load_model(model, loaded)
         try:
             load_optimizer(optimizer, loaded["optimizer"])
@@ -305,6 +337,8 @@ class Checkpointer:
             how = "same layout, RNG states restored"
         else:
             how = f"resharded from {saved.describe()} to {now.describe()}; RNG streams start fresh"
+        if parallel:
+            how += "; read in parallel over data-parallel ranks"
         self.log(
             f"resumed from {path} at step {progress.iteration} "
             f"({progress.consumed_samples:,} samples consumed; {how})"
