@@ -1,81 +1,161 @@
-"""Read documents from jsonl, parquet, plain-text files or any ``datasets``-loadable source."""
+"""Documents streamed from corpus files: jsonl (plain, .gz or .zst), parquet and plain text, named
+one by one, by glob or by directory.
+
+Nothing is copied or cached: each file is read front to back as its documents are asked for.
+A document is one JSON line's (or parquet row's) text field, or one line of a ``.txt`` file.
+Problems are reported as ConfigError naming the file and line (or row), and the key to fix.
+"""
 
 from __future__ import annotations
 
+import glob
+import gzip
+import io
+import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import datasets
+import pyarrow
+import pyarrow.parquet as pq
+import zstandard
 
 from megatron_train.errors import ConfigError
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet", ".txt")
+_PARQUET_ROWS_PER_BATCH = 1024
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """datasets' progress bars and its own logging of a bad file (a traceback) are held back: a
-    file that cannot be read is reported once, as a ConfigError."""
-    verbosity, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        datasets.logging.set_verbosity(verbosity)
-        if bars:
-            datasets.enable_progress_bars()
+def _kind(path: Path) -> str | None:
+    name = path.name
+    return next((s for s in SUFFIXES if name.endswith(s)), None)
 
 
-def load_documents(source: str, text_key: str = "text", split: str = "train") -> datasets.Dataset:
-    """A Dataset with a string ``text_key`` column and at least one row, from a file, a directory
-    or a hub name; ConfigError (``--input`` / ``--text-key``) for anything else.
+def _files_under(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and _kind(p))
 
-    Files are read with the ``datasets`` builder for their extension; anything else is passed
-    to ``datasets.load_dataset`` as is (a local dataset directory, or a hub name when online).
-    """
-    path = Path(source)
-    if path.is_file():
-        builder = _BUILDERS.get(path.suffix)
-        if builder is None:
-            raise ConfigError(
-                "--input", f"{source}: unknown file type", "use .jsonl, .json, .parquet or .txt"
-            )
-        if path.stat().st_size == 0:
-            raise ConfigError("--input", f"{source} is empty: no documents", "point it at a corpus")
-        args, kwargs = (builder,), {"data_files": str(path)}
-    elif path.is_dir() or not (source.startswith((".", "/", "~")) or path.suffix in _BUILDERS):
-        args, kwargs = (source,), {}
-    else:
-        raise ConfigError("--input", f"{source} does not exist", "point it at a corpus file or dataset")
-    try:
-        with _quiet():
-            ds = datasets.load_dataset(*args, split=split, **kwargs)
-    except Exception as err:  # datasets and pyarrow raise many kinds on unreadable input
-        reason = " ".join(str(err).split())[:300] or type(err).__name__
-        raise ConfigError(
-            "--input", f"{source} could not be read as a corpus ({reason})", "fix the file"
-        ) from err
-    if text_key not in ds.column_names:
-        raise ConfigError(
-            "--text-key", f"{source} has no column {text_key!r}", f"use one of {ds.column_names}"
-        )
-    feature = ds.features[text_key]
-    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+
+def input_files(specs: list[str]) -> list[Path]:
+    """The corpus files that ``specs`` name: files, glob patterns (``**`` recurses) and directories
+    (every file with a known suffix below them), each in sorted order, every file once."""
+    found: dict[Path, None] = {}
+    for spec in specs:
+        path = Path(spec)
+        if glob.has_magic(spec):
+            matches = [Path(p) for p in sorted(glob.glob(spec, recursive=True))]
+            files = [p for p in matches if p.is_file() and _kind(p)]
+            if not files:
+                raise ConfigError(
+                    "--input", f"{spec} matches no {', '.join(SUFFIXES)} file", "fix the pattern"
+                )
+        elif path.is_dir():
+            files = _files_under(path)
+            if not files:
+                raise ConfigError(
+                    "--input", f"{spec} holds no {', '.join(SUFFIXES)} file", "point it at a corpus"
+                )
+        elif path.is_file():
+            if not _kind(path):
+                raise ConfigError(
+                    "--input", f"{spec}: unknown file type", f"use one of {', '.join(SUFFIXES)}"
+                )
+            files = [path]
+        else:
+            raise ConfigError("--input", f"{spec} does not exist", "point it at a corpus file or directory")
+        found.update(dict.fromkeys(files))
+    return list(found)
+
+
+def _field(record: object, key: str, where: str) -> object:
+    """``record[key]``, where a dotted key (``meta.body``) walks into nested objects unless the
+    record has the dotted name itself."""
+    if isinstance(record, dict) and key in record:
+        return record[key]
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            keys = sorted(record) if isinstance(record, dict) else []
+            raise ConfigError("--text-key", f"{where} has no field {key!r}", f"use one of {keys}")
+        value = value[part]
+    return value
+
+
+def _text(value: object, key: str, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
         raise ConfigError(
             "--text-key",
-            f"column {text_key!r} of {source} holds {feature}, not a string",
-            "name a text column",
+            f"{where}: field {key!r} holds {type(value).__name__}, not a string",
+            "name a text field",
         )
-    if len(ds) == 0:
-        raise ConfigError("--input", f"{source} holds no documents", "point it at a corpus")
-    return ds
+    return value
 
 
-def iter_texts(ds: datasets.Dataset, text_key: str = "text") -> Iterator[str]:
-    """The non-empty texts of a Dataset, in order."""
-    for row in ds.select_columns([text_key]):
-        text = row[text_key]
-        if text:
-            yield text
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    if path.name.endswith(".zst"):
+        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.TextIOWrapper(raw, encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _json_lines(path: Path, key: str) -> Iterator[str]:
+    with _open_text(path) as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(
+                    "--input", f"{where} is not JSON ({err})", "fix or remove that line"
+                ) from err
+            yield _text(_field(record, key, where), key, where)
+
+
+def _parquet_rows(path: Path, key: str) -> Iterator[str]:
+    table = pq.ParquetFile(path)
+    column = key if key in table.schema_arrow.names else key.split(".")[0]
+    if column not in table.schema_arrow.names:
+        raise ConfigError(
+            "--text-key", f"{path} has no column {column!r}", f"use one of {table.schema_arrow.names}"
+        )
+    row = 0
+    for batch in table.iter_batches(batch_size=_PARQUET_ROWS_PER_BATCH, columns=[column]):
+        for value in batch.column(0).to_pylist():
+            row += 1
+            where = f"{path} row {row}"
+            if column != key:
+                value = _field({column: value}, key, where)
+            yield _text(value, key, where)
+
+
+def _text_lines(path: Path) -> Iterator[str]:
+    with _open_text(path) as lines:
+        for line in lines:
+            yield line.rstrip("\n")
+
+
+def read_texts(path: Path, key: str = "text") -> Iterator[str]:
+    """Every document's text in ``path``, in order; an empty or null text is yielded as ``""``."""
+    kind = _kind(path)
+    try:
+        if kind == ".parquet":
+            yield from _parquet_rows(path, key)
+        elif kind == ".txt":
+            yield from _text_lines(path)
+        else:
+            yield from _json_lines(path, key)
+    except (OSError, UnicodeDecodeError, EOFError, zstandard.ZstdError, pyarrow.ArrowException) as err:
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ConfigError(
+            "--input", f"{path} could not be read ({reason})", "fix or replace the file"
+        ) from err
+
+
+def iter_texts(files: list[Path], key: str = "text") -> Iterator[str]:
+    """The non-empty texts of ``files``, file after file."""
+    for path in files:
+        yield from (text for text in read_texts(path, key) if text)

@@ -23,3 +23,13 @@ def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework():
     for name in ("ours", "hf"):
         assert re.match(rf"{name}\s+[\d,]+\s+[\d.]+", rows[name]), result.stdout
     assert "did not run" in rows["torchtitan"], result.stdout
+
+
+def test_preprocess_benchmark_prints_our_row(corpus):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/preprocess_throughput.py", "--input", str(corpus["jsonl"]),
+         "--tokenizer", str(corpus["tokenizer"]), "--workers", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^\s+1 ours\s+[\d.]+\s+\d+\s+\d+", result.stdout, re.MULTILINE), result.stdout

@@ -2,6 +2,9 @@
 
     python tools/train_tokenizer.py --input corpus.jsonl --output-prefix tok/spm --vocab-size 8192
 
+Input as for preprocess_data.py: files, glob patterns and directories of jsonl (plain, .gz,
+.zst), parquet and txt.
+
 The model is lossless on any text (identity normalisation, whitespace kept, byte fallback), so
 decode(encode(text)) == text, which code and multilingual data need. Exit codes: 0 done, 2 bad
 input (an existing model under the prefix is left as it was).
@@ -10,8 +13,10 @@ input (an existing model under the prefix is left as it was).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import sentencepiece as spm
@@ -20,25 +25,37 @@ from megatron_train import cli
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import check_output_dir
 from megatron_train.outputs import made_dir
-from megatron_train.text_sources import iter_texts, load_documents
+from megatron_train.text_sources import input_files, iter_texts
 
 # SentencePiece rejects longer "sentences"; documents are fed in pieces of at most this size.
 _MAX_PIECE_CHARS = 4000
 
 
-def _pieces(texts, limit: int):
-    seen = 0
-    for text in texts:
-        for start in range(0, len(text), _MAX_PIECE_CHARS):
-            if seen >= limit:
-                return
-            seen += 1
-            yield text[start : start + _MAX_PIECE_CHARS]
+class _Pieces:
+    """The texts in pieces SentencePiece accepts, up to ``limit`` of them. SentencePiece pulls them
+    from C++, which would turn a bad corpus line's ConfigError into its own error: the error is
+    kept here (``failure``) and the pieces end."""
+
+    def __init__(self, texts: Iterator[str], limit: int) -> None:
+        self.texts, self.limit = texts, limit
+        self.failure: ConfigError | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        seen = 0
+        try:
+            for text in self.texts:
+                for start in range(0, len(text), _MAX_PIECE_CHARS):
+                    if seen >= self.limit:
+                        return
+                    seen += 1
+                    yield text[start : start + _MAX_PIECE_CHARS]
+        except ConfigError as err:
+            self.failure = err
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--input", required=True, help="jsonl/parquet/txt file or datasets name")
+    parser.add_argument("--input", required=True, nargs="+", help="files, glob patterns or directories")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
     parser.add_argument("--vocab-size", type=cli.positive_int, default=8192)
     parser.add_argument("--text-key", default="text")
@@ -53,12 +70,16 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> None:
     out = Path(args.output_prefix)
     check_output_dir("--output-prefix", out.parent)
-    ds = load_documents(args.input, args.text_key)
+    texts = iter_texts(input_files(args.input), args.text_key)
+    first = next(texts, None)
+    if first is None:
+        raise ConfigError("--input", f"{' '.join(args.input)} hold no documents", "point it at a corpus")
+    texts = itertools.chain([first], texts)
     with made_dir(out.parent):
         # Trained under a temporary prefix, renamed at the end: a failure never touches an existing model.
         tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
         try:
-            _train(iter_texts(ds, args.text_key), args, tmp)
+            _train(texts, args, tmp)
             for suffix in (".model", ".vocab"):
                 os.replace(f"{tmp}{suffix}", f"{out}{suffix}")
         finally:
@@ -67,10 +88,11 @@ def train(args: argparse.Namespace) -> None:
     print(f"wrote {out}.model ({args.vocab_size} pieces)")
 
 
-def _train(texts, args: argparse.Namespace, prefix: Path) -> None:
+def _train(texts: Iterator[str], args: argparse.Namespace, prefix: Path) -> None:
+    pieces = _Pieces(texts, args.max_sentences)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_pieces(texts, args.max_sentences),
+            sentence_iterator=iter(pieces),
             model_prefix=str(prefix),
             vocab_size=args.vocab_size,
             model_type=args.model_type,
@@ -87,10 +109,13 @@ def _train(texts, args: argparse.Namespace, prefix: Path) -> None:
             minloglevel=2,
         )  # fmt: skip
     except RuntimeError as err:  # SentencePiece's only error type: the text cannot give this vocabulary
-        reason = " ".join(str(err).split())
-        raise ConfigError(
-            "--vocab-size", f"SentencePiece refused to train: {reason}", "lower it or add text"
-        ) from err
+        if pieces.failure is None:
+            reason = " ".join(str(err).split())
+            raise ConfigError(
+                "--vocab-size", f"SentencePiece refused to train: {reason}", "lower it or add text"
+            ) from err
+    if pieces.failure is not None:
+        raise pieces.failure
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""Preprocessing throughput: our tools/preprocess_data.py against Megatron-LM's, same input, same
+tokenizer, same number of workers, in one run.
+
+    python benchmarks/preprocess_throughput.py --input corpus.jsonl --tokenizer tok/spm.model \\
+        [--tokenizer-type sentencepiece|huggingface] [--workers 1 2] [--megatron-lm PATH]
+
+Each tool runs as its own process tree (Megatron-LM's from its own checkout, as it is; give the
+path of one at the tag matching our megatron-core, e.g. core_v0.16.1); the figures are wall time,
+documents per second and the peak resident memory of the whole tree, sampled every 20 ms. The
+token files (.bin) are compared byte for byte; inputs holding special-token strings legitimately
+differ (Megatron-LM reads them as special tokens, we read them as text). The .idx files differ
+where the input has empty texts: Megatron-LM records each as a document of no sequences, we skip
+it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+_MEGATRON_LM_TOKENIZER = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer"}
+
+
+def _tree_rss(process: psutil.Process) -> int:
+    total = 0
+    for p in [process, *process.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def timed(command: list[str], cwd: Path) -> tuple[float, int]:
+    """Run ``command``; its wall time and the peak summed RSS of its process tree (bytes)."""
+    start = time.perf_counter()
+    child = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process, peak = psutil.Process(child.pid), 0
+    while child.poll() is None:
+        peak = max(peak, _tree_rss(process))
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - start
+    if child.returncode != 0:
+        raise SystemExit(f"{command[1]} failed:\n{child.stderr.read()[-3000:]}")
+    return elapsed, peak
+
+
+def count_documents(path: Path, key: str) -> int:
+    with open(path, encoding="utf-8") as lines:
+        return sum(1 for line in lines if line.strip() and json.loads(line).get(key))
+
+
+def ours_command(args: argparse.Namespace, workers: int, prefix: Path) -> list[str]:
+    return [sys.executable, "tools/preprocess_data.py", "--input", str(args.input),
+            "--output-prefix", str(prefix), "--tokenizer-type", args.tokenizer_type,
+            "--tokenizer", args.tokenizer, "--text-key", args.text_key,
+            "--workers", str(workers)]  # fmt: skip
+
+
+def megatron_lm_command(args: argparse.Namespace, workers: int, prefix: Path) -> list[str]:
+    return [args.megatron_lm_python, "tools/preprocess_data.py", "--input", str(args.input),
+            "--output-prefix", str(prefix), "--tokenizer-type", _MEGATRON_LM_TOKENIZER[args.tokenizer_type],
+            "--tokenizer-model", args.tokenizer, "--json-keys", args.text_key, "--workers", str(workers),
+            "--append-eod"]  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--input", required=True, type=Path, help="a jsonl file (Megatron-LM's format)")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--tokenizer-type", choices=sorted(_MEGATRON_LM_TOKENIZER), default="sentencepiece")
+    parser.add_argument("--text-key", default="text")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout to run its tool from")
+    parser.add_argument(
+        "--megatron-lm-python", default=sys.executable, help="the Python to run it (needs six, triton)"
+    )
+    args = parser.parse_args()
+    # Megatron-LM's tool runs from its checkout.
+    args.input, args.tokenizer = args.input.resolve(), str(Path(args.tokenizer).resolve())
+    docs = count_documents(args.input, args.text_key)
+    print(f"{args.input}: {docs:,} documents, {args.input.stat().st_size / 1e6:.1f} MB; "
+          f"{args.tokenizer_type} tokenizer {args.tokenizer}")  # fmt: skip
+    print(f"{'workers':>7} {'tool':12} {'seconds':>8} {'docs/s':>8} {'peak MiB':>9} {'vs Megatron-LM':>15}")
+    with tempfile.TemporaryDirectory(prefix="preprocess-bench-") as scratch:
+        for workers in args.workers:
+            ours_prefix, theirs_prefix = (Path(scratch) / f"{who}-{workers}" for who in ("ours", "theirs"))
+            ours = timed(ours_command(args, workers, ours_prefix), ROOT)
+            theirs, same = None, None
+            if args.megatron_lm:
+                theirs = timed(megatron_lm_command(args, workers, theirs_prefix), args.megatron_lm)
+                written = Path(f"{theirs_prefix}_{args.text_key}_document")
+                same = filecmp.cmp(f"{ours_prefix}.bin", f"{written}.bin", shallow=False)
+            for tool, figures in (("ours", ours), ("Megatron-LM", theirs)):
+                if figures is None:
+                    continue
+                seconds, peak = figures
+                ratio = f"{theirs[0] / seconds:.2f}x" if theirs and tool == "ours" else ""
+                rate, mib = docs / seconds, peak / 2**20
+                print(f"{workers:>7} {tool:12} {seconds:8.1f} {rate:8.0f} {mib:9.0f} {ratio:>15}")
+            if same is not None:
+                print(f"{'':>7} tokens (.bin) byte-identical: {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Corpus inputs streamed from many files and formats, and raw text that never turns into
+special tokens."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from megatron_train.errors import ConfigError
+from megatron_train.text_encoding import text_encoder
+from megatron_train.text_sources import input_files, iter_texts
+from megatron_train.tokenizer import load_tokenizer
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """The same kind of documents in every format, in a nested directory."""
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.jsonl").write_bytes(_jsonl([{"text": "one"}, {"text": ""}, {"text": "two"}]))
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(_jsonl([{"text": "three"}, {"text": None}])))
+    (d / "sub" / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl([{"text": "four"}])))
+    pq.write_table(pa.table({"text": ["five", "six"], "n": [1, 2]}), d / "sub" / "d.parquet")
+    (d / "sub" / "e.txt").write_text("seven\n\neight\n")
+    (d / "notes.md").write_text("not a corpus file")
+    return d
+
+
+def test_a_directory_streams_every_format_in_sorted_order(shards):
+    files = input_files([str(shards)])
+    assert [f.name for f in files] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet", "e.txt"]
+    assert list(iter_texts(files)) == ["one", "two", "three", "four", "five", "six", "seven", "eight"]
+
+
+def test_globs_and_files_name_each_file_once(shards):
+    files = input_files([str(shards / "**" / "*.jsonl*"), str(shards / "a.jsonl")])
+    assert [f.name for f in files] == ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst"]
+
+
+def test_a_dotted_text_key_reaches_into_nested_fields(tmp_path):
+    (tmp_path / "n.jsonl").write_bytes(_jsonl([{"meta": {"body": "deep"}}, {"meta.body": "literal"}]))
+    assert list(iter_texts([tmp_path / "n.jsonl"], "meta.body")) == ["deep", "literal"]
+
+
+@pytest.mark.parametrize(
+    "content, key, problem",
+    [
+        (b'{"text": "ok"}\nnot json\n', "text", "bad.jsonl:2 is not JSON"),
+        (b'{"text": "ok"}\n{"body": "x"}\n', "text", "bad.jsonl:2 has no field 'text'"),
+        (b'{"text": ["a"]}\n', "text", "holds list, not a string"),
+    ],
+)
+def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, content, key, problem):
+    (tmp_path / "bad.jsonl").write_bytes(content)
+    with pytest.raises(ConfigError, match=problem):
+        list(iter_texts([tmp_path / "bad.jsonl"], key))
+
+
+def test_a_truncated_compressed_file_is_a_clear_error(tmp_path):
+    data = gzip.compress(_jsonl([{"text": "x" * 1000}] * 50))
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="could not be read"):
+        list(iter_texts([tmp_path / "cut.jsonl.gz"]))
+
+
+@pytest.mark.parametrize(
+    "spec, problem", [("nothing/*.jsonl", "matches no"), ("missing.jsonl", "does not exist")]
+)
+def test_inputs_that_name_nothing_are_refused(tmp_path, spec, problem):
+    with pytest.raises(ConfigError, match=problem):
+        input_files([str(tmp_path / spec)])
+
+
+SPECIALS = ["<s>", "</s>", "<unk>", "<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer with Llama-3-style special tokens, saved as a Hugging Face
+    tokenizer directory (tokenizer.json)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(["def f(x): return x + 1", "hello world <tags> and </tags>"] * 20, trainer)
+    d = tmp_path_factory.mktemp("hf_tok")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", unk_token="<unk>",
+        pad_token="<pad>", additional_special_tokens=SPECIALS[4:],
+    )  # fmt: skip
+    fast.save_pretrained(d)
+    return d
+
+
+TEXT_WITH_SPECIALS = "x " + " ".join(SPECIALS) + " <s>def</s>"
+
+
+def test_huggingface_text_never_produces_special_tokens(hf_tokenizer):
+    encode = text_encoder("huggingface", str(hf_tokenizer), threads=2)
+    special_ids = {Tokenizer.from_file(str(hf_tokenizer / "tokenizer.json")).token_to_id(s) for s in SPECIALS}
+    (ids,) = encode([TEXT_WITH_SPECIALS])
+    assert not special_ids & set(ids)
+    megatron = load_tokenizer("huggingface", str(hf_tokenizer))
+    assert megatron.detokenize(ids) == TEXT_WITH_SPECIALS
+    assert set(megatron.tokenize(TEXT_WITH_SPECIALS)) & special_ids, "megatron's own path reads them"
+    assert encode(["def f(x): return x"]) == [megatron.tokenize("def f(x): return x")]
+
+
+def test_sentencepiece_text_never_produces_control_tokens(corpus):
+    encode = text_encoder("sentencepiece", str(corpus["tokenizer"]), threads=2)
+    megatron = load_tokenizer("sentencepiece", str(corpus["tokenizer"]))
+    (ids,) = encode([TEXT_WITH_SPECIALS])
+    assert not {0, 1, 2, 3} & set(ids), "pad, unk, bos and eos ids"
+    assert megatron.detokenize(ids) == TEXT_WITH_SPECIALS
+    docs = [json.loads(line)["text"] for line in corpus["jsonl"].read_text().splitlines()[:20]]
+    assert encode(docs) == [megatron.tokenize(d) for d in docs]
