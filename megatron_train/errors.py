@@ -11,6 +11,10 @@ class ConfigError(ValueError):
         self.key, self.problem, self.fix = key, problem, fix
         super().__init__(f"config error at '{key}': {problem}. Fix: {fix}")
 
+    def __reduce__(self) -> tuple:
+        # Raised in a worker process, it reaches the parent pickled.
+        return ConfigError, (self.key, self.problem, self.fix)
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and what to do."""

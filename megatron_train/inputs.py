@@ -23,32 +23,29 @@ _HEADER = struct.Struct("<9sQBQQ")
 _REPREPROCESS = "preprocess the data again with tools/preprocess_data.py or fix the prefix"
 
 
-def check_indexed_dataset(prefix: str) -> np.dtype:
+def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
     """The token dtype of the indexed dataset at ``prefix`` once its ``.idx`` header and its
-    sizes agree with each other and with the ``.bin`` (reading a few bytes, whatever the size)."""
+    sizes agree with each other and with the ``.bin`` (reading a few bytes, whatever the size);
+    problems are ConfigErrors at ``key``."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     for path in (bin_, idx):
         if not path.is_file():
-            raise ConfigError("data.blend", f"{path} does not exist", _REPREPROCESS)
+            raise ConfigError(key, f"{path} does not exist", _REPREPROCESS)
     with open(idx, "rb") as f:
         head = f.read(_HEADER.size)
     if len(head) < _HEADER.size or not head.startswith(megatron_compat.INDEX_HEADER):
-        raise ConfigError("data.blend", f"{idx} is not a megatron index (no MMIDIDX header)", _REPREPROCESS)
+        raise ConfigError(key, f"{idx} is not a megatron index (no MMIDIDX header)", _REPREPROCESS)
     _, version, code, sequences, documents = _HEADER.unpack(head)
     if version != 1:
-        raise ConfigError(
-            "data.blend", f"{idx} has index version {version}; megatron reads version 1", _REPREPROCESS
-        )
+        raise ConfigError(key, f"{idx} has index version {version}; megatron reads version 1", _REPREPROCESS)
     try:
         dtype = np.dtype(DType.dtype_from_code(code))
     except ValueError:
-        raise ConfigError(
-            "data.blend", f"{idx} names unknown token dtype code {code}", _REPREPROCESS
-        ) from None
+        raise ConfigError(key, f"{idx} names unknown token dtype code {code}", _REPREPROCESS) from None
     size, expected = idx.stat().st_size, _HEADER.size + sequences * 12 + documents * 8
     if size != expected or sequences == 0:
         raise ConfigError(
-            "data.blend",
+            key,
             f"{idx} has {size} bytes where its header ({sequences} sequences, {documents} documents) "
             f"implies {expected}: truncated, empty or damaged",
             _REPREPROCESS,
@@ -58,7 +55,7 @@ def check_indexed_dataset(prefix: str) -> np.dtype:
     indexed = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize
     if bin_.stat().st_size != indexed:
         raise ConfigError(
-            "data.blend",
+            key,
             f"{bin_} has {bin_.stat().st_size} bytes but {idx} indexes {indexed}: truncated, or the "
             ".bin and .idx come from different runs",
             _REPREPROCESS,

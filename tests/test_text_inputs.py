@@ -1,10 +1,12 @@
-"""Corpus inputs streamed from many files and formats, and raw text that never turns into
-special tokens."""
+"""Corpus inputs streamed from many files and formats, raw text that never turns into special
+tokens, and datasets written per input file, resumed and merged."""
 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,6 +19,7 @@ from megatron_train.errors import ConfigError
 from megatron_train.text_encoding import text_encoder
 from megatron_train.text_sources import input_files, iter_texts
 from megatron_train.tokenizer import load_tokenizer
+from tests.conftest import ROOT
 
 
 def _jsonl(rows: list[dict]) -> bytes:
@@ -128,3 +131,62 @@ def test_sentencepiece_text_never_produces_control_tokens(corpus):
     assert megatron.detokenize(ids) == TEXT_WITH_SPECIALS
     docs = [json.loads(line)["text"] for line in corpus["jsonl"].read_text().splitlines()[:20]]
     assert encode(docs) == [megatron.tokenize(d) for d in docs]
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sharded_output_resumes_and_merges_into_the_single_dataset(tmp_path, corpus, capsys):
+    lines = corpus["jsonl"].read_text().splitlines(keepends=True)
+    src = tmp_path / "in"
+    (src / "part").mkdir(parents=True)
+    (src / "a.jsonl").write_text("".join(lines[:60]))
+    (src / "part" / "b.jsonl.gz").write_bytes(gzip.compress("".join(lines[60:130]).encode()))
+    (src / "part" / "c.jsonl").write_text("".join(lines[130:]))
+    preprocess, merge = _tool("preprocess_data"), _tool("merge_datasets")
+    tokenizer = ["--tokenizer", str(corpus["tokenizer"]), "--workers", "2"]
+    assert preprocess.main(["--input", str(src), "--output-prefix", str(tmp_path / "one"), *tokenizer]) == 0
+    shards = tmp_path / "shards"
+    assert preprocess.main(["--input", str(src), "--output-dir", str(shards), *tokenizer]) == 0
+    assert sorted(p.name for p in shards.iterdir()) == [
+        f"{n}.{s}" for n in ("a", "part__b", "part__c") for s in ("bin", "idx")
+    ]
+    # A run killed while writing part__b: its temporary files, no .idx.
+    (shards / "part__b.idx").unlink()
+    (shards / "part__b.bin").rename(shards / "part__b.bin.tmp")
+    kept = {p.name: p.stat().st_mtime_ns for p in shards.glob("part__c.*")}
+    capsys.readouterr()
+    assert preprocess.main(["--input", str(src), "--output-dir", str(shards), *tokenizer]) == 0
+    assert "2 of 3 datasets already written" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in shards.glob("part__c.*")} == kept
+    assert not list(shards.glob("*.tmp"))
+    assert merge.main(["--input", str(shards), "--output-prefix", str(tmp_path / "merged")]) == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"merged{suffix}").read_bytes() == (tmp_path / f"one{suffix}").read_bytes()
+
+
+def test_merge_refuses_a_damaged_dataset_and_writes_nothing(tmp_path, corpus, capsys):
+    (tmp_path / "bad.idx").write_bytes(b"MMIDIDX\x00\x00garbage")
+    (tmp_path / "bad.bin").write_bytes(b"")
+    merge = _tool("merge_datasets")
+    args = [
+        "--input",
+        str(corpus["prefix"]),
+        str(tmp_path / "bad"),
+        "--output-prefix",
+        str(tmp_path / "out" / "m"),
+    ]
+    assert merge.main(args) == 2
+    assert "bad.idx" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_two_inputs_that_would_share_a_dataset_name_are_refused(shards):
+    (shards / "a.parquet").write_bytes((shards / "sub" / "d.parquet").read_bytes())
+    with pytest.raises(ConfigError, match="both be written as dataset 'a'"):
+        _tool("preprocess_data").shard_names(input_files([str(shards)]))

@@ -1,25 +1,36 @@
-"""Tokenize a corpus into a megatron indexed dataset (PREFIX.bin + PREFIX.idx).
+"""Tokenize a corpus into megatron indexed datasets (PREFIX.bin + PREFIX.idx).
 
     python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' more/ one.parquet \
         --output-prefix data/corpus --tokenizer-type sentencepiece --tokenizer tok/spm.model
+    python tools/preprocess_data.py --input corpus/ --output-dir data/shards ...   # one per input file
 
 Input: files, glob patterns and directories of jsonl (plain, .gz, .zst), parquet and txt (one
 document per line), streamed in order without a copy. ``--text-key`` names the text field (a
 dotted path such as ``meta.body`` reaches into nested objects). Empty and null texts are skipped
-and counted. Documents are tokenized a batch at a time with the tokenizer library's own
-``--workers`` threads; text never produces a special token (a literal ``<s>`` is text). Each
+and counted. Documents are tokenized a batch at a time with the tokenizer library's own threads
+(``--workers`` in all); text never produces a special token (a literal ``<s>`` is text). Each
 document is followed by the tokenizer's end-of-document token (EOD) and written with
-megatron-core's IndexedDatasetBuilder. Output appears only when complete (written under a
-temporary name, then renamed); a failed run leaves nothing behind. Exit codes: 0 done, 2 bad input.
+megatron-core's IndexedDatasetBuilder.
+
+``--output-prefix`` writes one dataset. ``--output-dir`` writes one per input file (named after
+its path below the inputs' common folder), several files at a time; a run that stops or fails
+keeps the datasets it finished, and running it again writes only the missing ones.
+``tools/merge_datasets.py`` joins them into one. A dataset appears only when complete (written
+under temporary names, the .idx renamed last); a failed dataset leaves nothing behind. Exit codes:
+0 done, 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,71 +43,170 @@ from megatron_train.errors import ConfigError
 from megatron_train.inputs import check_output_dir, checked_tokenizer
 from megatron_train.outputs import made_dir
 from megatron_train.text_encoding import text_encoder
-from megatron_train.text_sources import input_files, read_texts
+from megatron_train.text_sources import SUFFIXES, input_files, read_texts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--input", required=True, nargs="+", help="files, glob patterns or directories")
-    parser.add_argument("--output-prefix", required=True)
+    out = parser.add_mutually_exclusive_group(required=True)
+    out.add_argument("--output-prefix", help="one dataset: PREFIX.bin and PREFIX.idx")
+    out.add_argument("--output-dir", help="one dataset per input file in this folder")
     parser.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"], default="sentencepiece")
     parser.add_argument("--tokenizer", required=True, help="SentencePiece .model or HF directory")
     parser.add_argument("--text-key", default="text", help="the text field; a.b for a nested one")
     parser.add_argument(
-        "--workers", type=cli.positive_int, default=os.cpu_count() or 1, help="tokenizer threads"
+        "--workers", type=cli.positive_int, default=os.cpu_count() or 1, help="threads in all"
     )
     parser.add_argument("--batch-size", type=cli.positive_int, default=1024, help="documents per batch")
     args = parser.parse_args(argv)
     return cli.run(lambda: preprocess(args))
 
 
+@dataclass
+class Counts:
+    """What a dataset was written from."""
+
+    docs: int = 0
+    empty: int = 0
+    tokens: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+@dataclass(frozen=True)
+class Job:
+    """How to tokenize: the tool's arguments that every dataset shares."""
+
+    tokenizer_type: str
+    tokenizer: str
+    text_key: str
+    batch_size: int
+    eod: int
+    dtype: type
+    threads: int
+
+
 def preprocess(args: argparse.Namespace) -> None:
-    out = Path(args.output_prefix)
-    check_output_dir("--output-prefix", out.parent)
+    out = Path(args.output_dir or args.output_prefix)
+    check_output_dir(
+        "--output-dir" if args.output_dir else "--output-prefix", out if args.output_dir else out.parent
+    )
     tokenizer = checked_tokenizer(args.tokenizer_type, args.tokenizer, key="--tokenizer")
     files = input_files(args.input)
     dtype = np.uint16 if tokenizer.vocab_size < 65_500 else np.int32
-    tmp_bin, tmp_idx = out.with_name(out.name + ".bin.tmp"), out.with_name(out.name + ".idx.tmp")
-    with made_dir(out.parent):
-        try:
-            counts = _write(files, args, tokenizer.eod, dtype, tmp_bin, tmp_idx)
-            os.replace(tmp_bin, out.with_name(out.name + ".bin"))
-            os.replace(tmp_idx, out.with_name(out.name + ".idx"))
-        finally:
-            tmp_bin.unlink(missing_ok=True)
-            tmp_idx.unlink(missing_ok=True)
-    n_docs, n_empty, n_tokens, n_bytes, elapsed = counts
+    job = Job(
+        args.tokenizer_type,
+        args.tokenizer,
+        args.text_key,
+        args.batch_size,
+        tokenizer.eod,
+        dtype,
+        args.workers,
+    )
+    start = time.perf_counter()
+    if args.output_dir:
+        counts, written = _write_shards(files, out, job)
+    else:
+        with made_dir(out.parent):
+            texts = _texts(files, job.text_key)
+            counts = write_dataset(out, texts, " ".join(args.input), job, show_progress=True)
+        written = f"{out}.bin/.idx"
+    elapsed = time.perf_counter() - start
     print(
-        f"wrote {out}.bin/.idx from {len(files)} file(s): {n_docs} docs ({n_empty} empty skipped), "
-        f"{n_tokens} tokens in {elapsed:.1f}s "
-        f"({n_docs / elapsed:.0f} docs/s, {n_bytes / elapsed / 1e6:.2f} MB/s)"
+        f"wrote {written} from {len(files)} file(s): {counts.docs} docs ({counts.empty} empty skipped), "
+        f"{counts.tokens} tokens in {elapsed:.1f}s "
+        f"({counts.docs / elapsed:.0f} docs/s, {counts.bytes / elapsed / 1e6:.2f} MB/s)"
     )
 
 
-def _write(
-    files: list[Path], args: argparse.Namespace, eod: int, dtype, tmp_bin: Path, tmp_idx: Path
-) -> tuple:
-    encode = text_encoder(args.tokenizer_type, args.tokenizer, args.workers)
-    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
-    start, n_docs, n_empty, n_bytes, n_tokens = time.perf_counter(), 0, 0, 0, 0
-    bar = tqdm(unit="doc", desc="tokenizing", file=sys.stderr, disable=None)  # shown on a terminal only
-    texts = itertools.chain.from_iterable(read_texts(path, args.text_key) for path in files)
-    while batch := list(itertools.islice(texts, args.batch_size)):
-        documents = [t for t in batch if t]
-        n_empty += len(batch) - len(documents)
-        for ids in encode(documents):
-            ids.append(eod)
-            builder.add_item(torch.from_numpy(np.asarray(ids, dtype=dtype)))
-            builder.end_document()
-            n_tokens += len(ids)
-        n_docs += len(documents)
-        n_bytes += sum(len(t.encode()) for t in documents)
-        bar.update(len(batch))
-    bar.close()
-    if n_docs == 0:
-        raise ConfigError("--input", f"{' '.join(args.input)} hold no documents", "point it at a corpus")
-    builder.finalize(str(tmp_idx))
-    return n_docs, n_empty, n_tokens, n_bytes, time.perf_counter() - start
+def _texts(files: list[Path], key: str) -> Iterable[str]:
+    return itertools.chain.from_iterable(read_texts(path, key) for path in files)
+
+
+def write_dataset(
+    prefix: Path, texts: Iterable[str], source: str, job: Job, show_progress: bool = False
+) -> Counts:
+    """Tokenize ``texts`` (read from ``source``) into ``prefix``.bin/.idx, which appear only once
+    complete."""
+    encode = text_encoder(job.tokenizer_type, job.tokenizer, job.threads)
+    tmp_bin, tmp_idx = prefix.with_name(prefix.name + ".bin.tmp"), prefix.with_name(prefix.name + ".idx.tmp")
+    counts = Counts()
+    try:
+        builder = IndexedDatasetBuilder(str(tmp_bin), dtype=job.dtype)
+        bar = tqdm(unit="doc", desc="tokenizing", file=sys.stderr, disable=None if show_progress else True)
+        texts = iter(texts)
+        while batch := list(itertools.islice(texts, job.batch_size)):
+            documents = [t for t in batch if t]
+            for ids in encode(documents):
+                ids.append(job.eod)
+                builder.add_item(torch.from_numpy(np.asarray(ids, dtype=job.dtype)))
+                builder.end_document()
+                counts.tokens += len(ids)
+            counts += Counts(
+                len(documents), len(batch) - len(documents), 0, sum(len(t.encode()) for t in documents)
+            )
+            bar.update(len(batch))
+        bar.close()
+        if counts.docs == 0:
+            raise ConfigError("--input", f"{source} holds no documents", "point it at a corpus")
+        builder.finalize(str(tmp_idx))
+        # The .idx last: a dataset whose .idx exists is complete.
+        os.replace(tmp_bin, prefix.with_name(prefix.name + ".bin"))
+        os.replace(tmp_idx, prefix.with_name(prefix.name + ".idx"))
+    finally:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+    return counts
+
+
+def shard_names(files: list[Path]) -> list[str]:
+    """Each input file's dataset name: its path below the files' common folder, ``/`` as ``__``,
+    without its suffix (``sub/c.jsonl.zst`` -> ``sub__c``)."""
+    root = Path(os.path.commonpath([f.resolve().parent for f in files]))
+    names = []
+    for f in files:
+        relative = f.resolve().relative_to(root).as_posix()
+        suffix = next(s for s in SUFFIXES if relative.endswith(s))
+        names.append(relative.removesuffix(suffix).replace("/", "__"))
+    seen: dict[str, Path] = {}
+    for f, name in zip(files, names, strict=True):
+        if name in seen:
+            raise ConfigError(
+                "--input", f"{seen[name]} and {f} would both be written as dataset {name!r}", "rename one"
+            )
+        seen[name] = f
+    return names
+
+
+def _write_shard(path: Path, prefix: Path, job: Job) -> Counts:
+    return write_dataset(prefix, read_texts(path, job.text_key), str(path), job)
+
+
+def _write_shards(files: list[Path], out: Path, job: Job) -> tuple[Counts, str]:
+    prefixes = [out / name for name in shard_names(files)]
+    todo = [(f, p) for f, p in zip(files, prefixes, strict=True) if not p.with_name(p.name + ".idx").exists()]
+    if len(todo) < len(files):
+        print(f"{len(files) - len(todo)} of {len(files)} datasets already written in {out}; writing the rest")
+    jobs = max(1, min(len(todo), job.threads))
+    shard_job = replace(job, threads=max(1, job.threads // jobs))
+    counts, created = Counts(), not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    # fork: the workers start at once, with everything this process has imported.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        futures = [pool.submit(_write_shard, f, p, shard_job) for f, p in todo]
+        try:
+            for future in tqdm(futures, unit="file", desc="datasets", file=sys.stderr, disable=None):
+                counts += future.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            # Finished datasets stay for the next run; a folder this run made and left empty goes.
+            if created and not any(out.iterdir()):
+                out.rmdir()
+            raise
+    return counts, f"{len(todo)} dataset(s) in {out}"
 
 
 if __name__ == "__main__":

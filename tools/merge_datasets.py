@@ -1,0 +1,79 @@
+"""Join megatron indexed datasets into one (PREFIX.bin + PREFIX.idx), in the order given.
+
+    python tools/merge_datasets.py --input data/shards --output-prefix data/corpus
+    python tools/merge_datasets.py --input data/a data/b --output-prefix data/ab
+
+``--input`` takes dataset prefixes and folders (every dataset in a folder, in sorted order, as
+``tools/preprocess_data.py --output-dir`` writes them). Every dataset is checked first, and all
+must hold the same token type. Documents keep their order and boundaries, so the result is what
+tokenizing the inputs into one dataset gives. It is written with megatron-core's
+IndexedDatasetBuilder under temporary names and renamed once complete (the .idx last). Exit
+codes: 0 done, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from megatron_train import cli
+from megatron_train.errors import ConfigError
+from megatron_train.inputs import check_indexed_dataset, check_output_dir
+from megatron_train.outputs import made_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.ArgumentParser(description=__doc__)
+    parser.add_argument("--input", required=True, nargs="+", help="dataset prefixes or folders of them")
+    parser.add_argument("--output-prefix", required=True)
+    args = parser.parse_args(argv)
+    return cli.run(lambda: merge(args))
+
+
+def dataset_prefixes(specs: list[str]) -> list[str]:
+    """The datasets ``specs`` name: prefixes as given, and each ``*.idx`` in a folder (sorted)."""
+    prefixes = []
+    for spec in specs:
+        if Path(spec).is_dir():
+            found = sorted(str(p.with_suffix("")) for p in Path(spec).glob("*.idx"))
+            if not found:
+                raise ConfigError(
+                    "--input", f"{spec} holds no .idx/.bin dataset", "point it at preprocessed data"
+                )
+            prefixes += found
+        else:
+            prefixes.append(spec)
+    return prefixes
+
+
+def merge(args: argparse.Namespace) -> None:
+    out = Path(args.output_prefix)
+    check_output_dir("--output-prefix", out.parent)
+    prefixes = dataset_prefixes(args.input)
+    dtypes = {prefix: check_indexed_dataset(prefix, key="--input") for prefix in prefixes}
+    if len(set(dtypes.values())) > 1:
+        found = ", ".join(f"{p}: {d}" for p, d in dtypes.items())
+        raise ConfigError(
+            "--input", f"the datasets hold different token types ({found})", "merge like with like"
+        )
+    tmp_bin, tmp_idx = out.with_name(out.name + ".bin.tmp"), out.with_name(out.name + ".idx.tmp")
+    with made_dir(out.parent):
+        try:
+            builder = IndexedDatasetBuilder(str(tmp_bin), dtype=next(iter(dtypes.values())).type)
+            for prefix in prefixes:
+                builder.add_index(prefix)
+            builder.finalize(str(tmp_idx))
+            os.replace(tmp_bin, out.with_name(out.name + ".bin"))
+            os.replace(tmp_idx, out.with_name(out.name + ".idx"))
+        finally:
+            tmp_bin.unlink(missing_ok=True)
+            tmp_idx.unlink(missing_ok=True)
+    print(f"wrote {out}.bin/.idx from {len(prefixes)} dataset(s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
