@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,17 @@ def single_rank(config: Path, *overrides: str, timeout: int = 300) -> subprocess
     """One training process without torchrun (how srun starts each rank)."""
     cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def load_tool(path: str) -> types.ModuleType:
+    """A repo script (``tools/x.py``) imported as module ``x``, registered in ``sys.modules`` as an
+    import would be: dataclasses and pickling by reference look their module up there."""
+    name = Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_tool(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -8,7 +8,6 @@ Cases run in-process (each entry point's ``main``) for speed; tests elsewhere co
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
 import socket
@@ -19,16 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, write_config
+from tests.conftest import ROOT, load_tool, write_config
 
 transformers = pytest.importorskip("transformers")
 
 
 def _tool(path: str) -> Callable[[list[str]], int]:
-    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_tool(path).main
 
 
 def _entry(name: str) -> Callable[[list[str]], int]:

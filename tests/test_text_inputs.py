@@ -4,9 +4,7 @@ tokens, and datasets written per input file, resumed and merged."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,7 +17,7 @@ from megatron_train.errors import ConfigError
 from megatron_train.text_encoding import text_encoder
 from megatron_train.text_sources import input_files, iter_texts
 from megatron_train.tokenizer import load_tokenizer
-from tests.conftest import ROOT
+from tests.conftest import load_tool
 
 
 def _jsonl(rows: list[dict]) -> bytes:
@@ -134,11 +132,7 @@ def test_sentencepiece_text_never_produces_control_tokens(corpus):
 
 
 def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(f"tools/{name}.py")
 
 
 def test_sharded_output_resumes_and_merges_into_the_single_dataset(tmp_path, corpus, capsys):
