@@ -2,11 +2,13 @@
 tokenizer, same number of workers, in one run.
 
     python benchmarks/preprocess_throughput.py --input corpus.jsonl --tokenizer tok/spm.model \\
-        [--tokenizer-type sentencepiece|huggingface] [--workers 1 2] [--megatron-lm PATH]
+        [--tokenizer-type sentencepiece|huggingface] [--workers 1 2] [--repeats 3] [--megatron-lm PATH]
 
 Each tool runs as its own process tree (Megatron-LM's from its own checkout, as it is; give the
 path of one at the tag matching our megatron-core, e.g. core_v0.16.1); the figures are wall time,
-documents per second and the peak resident memory of the whole tree, sampled every 20 ms. The
+documents per second and the peak resident memory of the whole tree, sampled every 20 ms. The two
+tools take turns, ``--repeats`` times each, and the median time is shown: on a shared machine one
+run can be several seconds off. The
 token files (.bin) are compared byte for byte; inputs holding special-token strings legitimately
 differ (Megatron-LM reads them as special tokens, we read them as text). The .idx files differ
 where the input has empty texts: Megatron-LM records each as a document of no sequences, we skip
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,6 +76,13 @@ def megatron_lm_command(args: argparse.Namespace, workers: int, prefix: Path) ->
             "--append-eod"]  # fmt: skip
 
 
+def _summary(runs: list[tuple[float, int]]) -> tuple[float, int] | None:
+    """The median time and the highest peak memory of a tool's runs."""
+    if not runs:
+        return None
+    return statistics.median(t for t, _ in runs), max(peak for _, peak in runs)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--input", required=True, type=Path, help="a jsonl file (Megatron-LM's format)")
@@ -80,6 +90,7 @@ def main() -> int:
     parser.add_argument("--tokenizer-type", choices=sorted(_MEGATRON_LM_TOKENIZER), default="sentencepiece")
     parser.add_argument("--text-key", default="text")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each tool; the median is shown")
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout to run its tool from")
     parser.add_argument(
         "--megatron-lm-python", default=sys.executable, help="the Python to run it (needs six, triton)"
@@ -94,10 +105,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="preprocess-bench-") as scratch:
         for workers in args.workers:
             ours_prefix, theirs_prefix = (Path(scratch) / f"{who}-{workers}" for who in ("ours", "theirs"))
-            ours = timed(ours_command(args, workers, ours_prefix), ROOT)
-            theirs, same = None, None
+            runs: dict[str, list[tuple[float, int]]] = {"ours": [], "theirs": []}
+            for _ in range(args.repeats):
+                runs["ours"].append(timed(ours_command(args, workers, ours_prefix), ROOT))
+                if args.megatron_lm:
+                    command = megatron_lm_command(args, workers, theirs_prefix)
+                    runs["theirs"].append(timed(command, args.megatron_lm))
+            ours, theirs, same = _summary(runs["ours"]), _summary(runs["theirs"]), None
             if args.megatron_lm:
-                theirs = timed(megatron_lm_command(args, workers, theirs_prefix), args.megatron_lm)
                 written = Path(f"{theirs_prefix}_{args.text_key}_document")
                 same = filecmp.cmp(f"{ours_prefix}.bin", f"{written}.bin", shallow=False)
             for tool, figures in (("ours", ours), ("Megatron-LM", theirs)):

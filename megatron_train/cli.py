@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from megatron_train import runtime
 from megatron_train.errors import BAD_INPUT
 
 EXIT_BAD_INPUT = 2
@@ -61,5 +60,8 @@ def run(body: Callable[[], None]) -> int:
         report(err)
         return EXIT_BAD_INPUT
     finally:
-        runtime.shutdown()
+        # Only the runtime starts process groups; tools that never import it (and torch with it)
+        # start in a fraction of the time.
+        if runtime := sys.modules.get("megatron_train.runtime"):
+            runtime.shutdown()
     return 0

@@ -5,7 +5,6 @@ ConfigError naming the key; nothing is written."""
 
 from __future__ import annotations
 
-import os
 import struct
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 from megatron_train import megatron_compat
 from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir
 from megatron_train.errors import ConfigError
+from megatron_train.outputs import check_output_dir
 from megatron_train.tokenizer import load_tokenizer
 
 # magic (9 bytes), version (u64), dtype code (u8), sequence count (u64), document count (u64)
@@ -84,19 +84,6 @@ def checked_tokenizer(kind: str, path: str | None, key: str = "data.tokenizer.pa
             "point it at a tokenizer of that type, or set data.tokenizer.type to the type it is",
         ) from err
     return tokenizer
-
-
-def check_output_dir(key: str, path: Path) -> None:
-    """``path`` exists as a writable directory or can be created as one (nothing is created)."""
-    probe = Path(path).absolute()
-    while not probe.exists():
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(
-            key, f"{path} cannot be a directory: {probe} is a file", "choose a path outside that file"
-        )
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(key, f"{probe} is not writable", "choose a writable location")
 
 
 def check_inputs(cfg: ExperimentConfig) -> int:

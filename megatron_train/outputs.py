@@ -1,11 +1,15 @@
-"""Outputs appear whole or not at all: a failed tool run leaves no folder it created behind."""
+"""Outputs appear whole or not at all: output locations are checked before anything is written,
+a failed tool run leaves no folder it created behind, and a dataset appears only once complete."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from megatron_train.errors import ConfigError
 
 
 @contextmanager
@@ -23,3 +27,31 @@ def made_dir(path: Path) -> Iterator[Path]:
         if created:
             shutil.rmtree(created[-1], ignore_errors=True)
         raise
+
+
+@contextmanager
+def dataset_files(prefix: Path) -> Iterator[tuple[Path, Path]]:
+    """Temporary ``.bin`` and ``.idx`` paths for the indexed dataset at ``prefix``. When the body
+    succeeds they become ``prefix.bin`` and ``prefix.idx``, the ``.idx`` last, so a dataset whose
+    ``.idx`` exists is complete; either way no temporary file stays."""
+    tmp_bin, tmp_idx = (prefix.with_name(f"{prefix.name}.{kind}.tmp") for kind in ("bin", "idx"))
+    try:
+        yield tmp_bin, tmp_idx
+        os.replace(tmp_bin, prefix.with_name(prefix.name + ".bin"))
+        os.replace(tmp_idx, prefix.with_name(prefix.name + ".idx"))
+    finally:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+
+
+def check_output_dir(key: str, path: Path) -> None:
+    """``path`` exists as a writable directory or can be created as one (nothing is created)."""
+    probe = Path(path).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(
+            key, f"{path} cannot be a directory: {probe} is a file", "choose a path outside that file"
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(key, f"{probe} is not writable", "choose a writable location")

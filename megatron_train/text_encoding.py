@@ -4,48 +4,90 @@ threads, never reading a control token out of the text.
 A corpus is text: a literal ``<s>``, ``</s>``, ``<|begin_of_text|>`` or ``<unk>`` in it is text
 too. Hugging Face tokenizers match their special tokens' strings in the input unless told not
 to (``encode_special_tokens``); SentencePiece never produces control symbols from text. Each
-document's end-of-document token is appended by the caller, from the tokenizer's ``eod``.
+document's end-of-document token (``eod``: the same id megatron-core's tokenizer calls ``eod``,
+which training masks documents by) is appended by the caller.
+
+The tokenizer libraries are loaded directly, without torch or megatron-core: preprocessing is
+bound by the tokenizer, and their import would be most of a small job's time.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import sentencepiece
+
+from megatron_train.errors import ConfigError
 
 Encode = Callable[[list[str]], list[list[int]]]
 
 
-def _sentencepiece(path: str, threads: int) -> Encode:
+@dataclass(frozen=True)
+class TextEncoder:
+    """A tokenizer as preprocessing needs it."""
+
+    encode: Encode
+    """A batch of texts to their token ids; no special token added or read from the text."""
+    eod: int
+    """The end-of-document id appended to each document."""
+    vocab_size: int
+    """Every id is below it."""
+
+
+def _sentencepiece(path: str, threads: int) -> TextEncoder:
     processor = sentencepiece.SentencePieceProcessor(model_file=path)
 
     def encode(texts: list[str]) -> list[list[int]]:
         return processor.encode(texts, out_type=int, num_threads=threads)
 
-    return encode
+    eod = processor.eos_id()
+    return TextEncoder(encode, None if eod < 0 else eod, processor.get_piece_size())
 
 
-def _huggingface(path: str, threads: int) -> Encode:
+def _huggingface(path: str, threads: int) -> TextEncoder:
     # The Rust thread pool reads its size once, when it first runs.
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     from transformers import AutoTokenizer
 
-    backend = AutoTokenizer.from_pretrained(path).backend_tokenizer
+    # transformers, not tokenizer.json alone: its tokenizer classes may rebuild the pipeline on
+    # load, and training reads the data with the tokenizer they give.
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    backend = tokenizer.backend_tokenizer
     backend.encode_special_tokens = True
 
     def encode(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        # The fast variant skips the character offsets, which ids do not need.
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
-    return encode
+    return TextEncoder(encode, tokenizer.eos_token_id, len(tokenizer))
 
 
-def text_encoder(kind: str, path: str, threads: int) -> Encode:
-    """A function from a batch of texts to their token ids (no special tokens added or read from
-    the text), for a ``sentencepiece`` model file or a ``huggingface`` tokenizer directory, using up
-    to ``threads`` threads."""
-    if kind == "sentencepiece":
-        return _sentencepiece(path, threads)
-    if kind == "huggingface":
-        return _huggingface(path, threads)
-    raise ValueError(f"unknown tokenizer type {kind!r}; use sentencepiece or huggingface")
+def text_encoder(kind: str, path: str, threads: int, key: str = "--tokenizer") -> TextEncoder:
+    """The ``sentencepiece`` model file or ``huggingface`` tokenizer directory at ``path``, using
+    up to ``threads`` threads; a missing or unloadable tokenizer, or one without an
+    end-of-document token, is a ConfigError at ``key``."""
+    if kind not in ("sentencepiece", "huggingface"):
+        raise ValueError(f"unknown tokenizer type {kind!r}; use sentencepiece or huggingface")
+    if not Path(path).exists():
+        raise ConfigError(
+            key,
+            f"{path!r} does not exist",
+            "train one with tools/train_tokenizer.py or point to an existing tokenizer",
+        )
+    try:
+        encoder = (_sentencepiece if kind == "sentencepiece" else _huggingface)(path, threads)
+    except Exception as err:  # sentencepiece and transformers raise many kinds
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ConfigError(
+            key,
+            f"{path} does not load as a {kind} tokenizer ({reason})",
+            "point it at a tokenizer of that type, or give the type it is",
+        ) from err
+    if encoder.eod is None:
+        raise ConfigError(
+            key, f"{path} has no end-of-document (eos) token", "use a tokenizer that defines one"
+        )
+    return encoder

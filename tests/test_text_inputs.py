@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -17,7 +20,7 @@ from megatron_train.errors import ConfigError
 from megatron_train.text_encoding import text_encoder
 from megatron_train.text_sources import input_files, iter_texts
 from megatron_train.tokenizer import load_tokenizer
-from tests.conftest import load_tool
+from tests.conftest import ROOT, load_tool
 
 
 def _jsonl(rows: list[dict]) -> bytes:
@@ -111,7 +114,8 @@ TEXT_WITH_SPECIALS = "x " + " ".join(SPECIALS) + " <s>def</s>"
 
 
 def test_huggingface_text_never_produces_special_tokens(hf_tokenizer):
-    encode = text_encoder("huggingface", str(hf_tokenizer), threads=2)
+    encoder = text_encoder("huggingface", str(hf_tokenizer), threads=2)
+    encode = encoder.encode
     special_ids = {Tokenizer.from_file(str(hf_tokenizer / "tokenizer.json")).token_to_id(s) for s in SPECIALS}
     (ids,) = encode([TEXT_WITH_SPECIALS])
     assert not special_ids & set(ids)
@@ -119,16 +123,40 @@ def test_huggingface_text_never_produces_special_tokens(hf_tokenizer):
     assert megatron.detokenize(ids) == TEXT_WITH_SPECIALS
     assert set(megatron.tokenize(TEXT_WITH_SPECIALS)) & special_ids, "megatron's own path reads them"
     assert encode(["def f(x): return x"]) == [megatron.tokenize("def f(x): return x")]
+    assert (encoder.eod, encoder.vocab_size) == (megatron.eod, megatron.vocab_size)
 
 
 def test_sentencepiece_text_never_produces_control_tokens(corpus):
-    encode = text_encoder("sentencepiece", str(corpus["tokenizer"]), threads=2)
+    encoder = text_encoder("sentencepiece", str(corpus["tokenizer"]), threads=2)
+    encode = encoder.encode
     megatron = load_tokenizer("sentencepiece", str(corpus["tokenizer"]))
+    assert (encoder.eod, encoder.vocab_size) == (megatron.eod, megatron.vocab_size)
     (ids,) = encode([TEXT_WITH_SPECIALS])
     assert not {0, 1, 2, 3} & set(ids), "pad, unk, bos and eos ids"
     assert megatron.detokenize(ids) == TEXT_WITH_SPECIALS
     docs = [json.loads(line)["text"] for line in corpus["jsonl"].read_text().splitlines()[:20]]
     assert encode(docs) == [megatron.tokenize(d) for d in docs]
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused(tmp_path):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["plain text"] * 5, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="no end-of-document"):
+        text_encoder("huggingface", str(tmp_path), threads=1)
+
+
+def test_preprocessing_starts_without_torch_or_megatron(corpus, tmp_path):
+    """Its start-up is part of every run's time; the tokenizer is the work."""
+    args = ["--input", str(corpus["jsonl"]), "--output-prefix", str(tmp_path / "d"),
+            "--tokenizer", str(corpus["tokenizer"])]  # fmt: skip
+    loaded = subprocess.run(
+        [sys.executable, "-X", "importtime", "tools/preprocess_data.py", *args],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    assert re.search(r"\|\s+megatron_train\.text_encoding$", loaded, re.MULTILINE), loaded[-2000:]
+    assert not re.findall(r"\|\s+(torch|megatron\.core)$", loaded, re.MULTILINE)
 
 
 def _tool(name: str):

@@ -14,7 +14,6 @@ codes: 0 done, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,8 +21,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.inputs import check_indexed_dataset, check_output_dir
-from megatron_train.outputs import made_dir
+from megatron_train.inputs import check_indexed_dataset
+from megatron_train.outputs import check_output_dir, dataset_files, made_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,18 +59,11 @@ def merge(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--input", f"the datasets hold different token types ({found})", "merge like with like"
         )
-    tmp_bin, tmp_idx = out.with_name(out.name + ".bin.tmp"), out.with_name(out.name + ".idx.tmp")
-    with made_dir(out.parent):
-        try:
-            builder = IndexedDatasetBuilder(str(tmp_bin), dtype=next(iter(dtypes.values())).type)
-            for prefix in prefixes:
-                builder.add_index(prefix)
-            builder.finalize(str(tmp_idx))
-            os.replace(tmp_bin, out.with_name(out.name + ".bin"))
-            os.replace(tmp_idx, out.with_name(out.name + ".idx"))
-        finally:
-            tmp_bin.unlink(missing_ok=True)
-            tmp_idx.unlink(missing_ok=True)
+    with made_dir(out.parent), dataset_files(out) as (tmp_bin, tmp_idx):
+        builder = IndexedDatasetBuilder(str(tmp_bin), dtype=next(iter(dtypes.values())).type)
+        for prefix in prefixes:
+            builder.add_index(prefix)
+        builder.finalize(str(tmp_idx))
     print(f"wrote {out}.bin/.idx from {len(prefixes)} dataset(s)")
 
 

@@ -9,8 +9,9 @@ document per line), streamed in order without a copy. ``--text-key`` names the t
 dotted path such as ``meta.body`` reaches into nested objects). Empty and null texts are skipped
 and counted. Documents are tokenized a batch at a time with the tokenizer library's own threads
 (``--workers`` in all); text never produces a special token (a literal ``<s>`` is text). Each
-document is followed by the tokenizer's end-of-document token (EOD) and written with
-megatron-core's IndexedDatasetBuilder.
+document is followed by the tokenizer's end-of-document token (EOD, the id megatron-core's
+tokenizer calls ``eod``) and written in megatron-core's indexed dataset format, one sequence per
+document.
 
 ``--output-prefix`` writes one dataset. ``--output-dir`` writes one per input file (named after
 its path below the inputs' common folder), several files at a time; a run that stops or fails
@@ -34,16 +35,14 @@ from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import torch
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from tqdm import tqdm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.inputs import check_output_dir, checked_tokenizer
-from megatron_train.outputs import made_dir
+from megatron_train.outputs import check_output_dir, dataset_files, made_dir
 from megatron_train.text_encoding import text_encoder
 from megatron_train.text_sources import SUFFIXES, input_files, read_texts
+from megatron_train.token_writer import TokenWriter, token_dtype
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +84,7 @@ class Job:
     text_key: str
     batch_size: int
     eod: int
-    dtype: type
+    dtype: np.dtype
     threads: int
 
 
@@ -94,16 +93,15 @@ def preprocess(args: argparse.Namespace) -> None:
     check_output_dir(
         "--output-dir" if args.output_dir else "--output-prefix", out if args.output_dir else out.parent
     )
-    tokenizer = checked_tokenizer(args.tokenizer_type, args.tokenizer, key="--tokenizer")
+    tokenizer = text_encoder(args.tokenizer_type, args.tokenizer, args.workers, key="--tokenizer")
     files = input_files(args.input)
-    dtype = np.uint16 if tokenizer.vocab_size < 65_500 else np.int32
     job = Job(
         args.tokenizer_type,
         args.tokenizer,
         args.text_key,
         args.batch_size,
         tokenizer.eod,
-        dtype,
+        token_dtype(tokenizer.vocab_size),
         args.workers,
     )
     start = time.perf_counter()
@@ -131,34 +129,24 @@ def write_dataset(
 ) -> Counts:
     """Tokenize ``texts`` (read from ``source``) into ``prefix``.bin/.idx, which appear only once
     complete."""
-    encode = text_encoder(job.tokenizer_type, job.tokenizer, job.threads)
-    tmp_bin, tmp_idx = prefix.with_name(prefix.name + ".bin.tmp"), prefix.with_name(prefix.name + ".idx.tmp")
+    encode = text_encoder(job.tokenizer_type, job.tokenizer, job.threads).encode
     counts = Counts()
-    try:
-        builder = IndexedDatasetBuilder(str(tmp_bin), dtype=job.dtype)
+    with dataset_files(prefix) as (tmp_bin, tmp_idx), open(tmp_bin, "wb") as bin_file:
+        writer = TokenWriter(bin_file, job.dtype)
         bar = tqdm(unit="doc", desc="tokenizing", file=sys.stderr, disable=None if show_progress else True)
         texts = iter(texts)
         while batch := list(itertools.islice(texts, job.batch_size)):
             documents = [t for t in batch if t]
-            for ids in encode(documents):
-                ids.append(job.eod)
-                builder.add_item(torch.from_numpy(np.asarray(ids, dtype=job.dtype)))
-                builder.end_document()
-                counts.tokens += len(ids)
-            counts += Counts(
-                len(documents), len(batch) - len(documents), 0, sum(len(t.encode()) for t in documents)
-            )
+            ids = encode(documents)
+            for doc in ids:
+                doc.append(job.eod)
+            text_bytes = sum(len(t.encode()) for t in documents)
+            counts += Counts(len(documents), len(batch) - len(documents), writer.add(ids), text_bytes)
             bar.update(len(batch))
         bar.close()
         if counts.docs == 0:
             raise ConfigError("--input", f"{source} holds no documents", "point it at a corpus")
-        builder.finalize(str(tmp_idx))
-        # The .idx last: a dataset whose .idx exists is complete.
-        os.replace(tmp_bin, prefix.with_name(prefix.name + ".bin"))
-        os.replace(tmp_idx, prefix.with_name(prefix.name + ".idx"))
-    finally:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_idx.unlink(missing_ok=True)
+        writer.write_index(tmp_idx)
     return counts
 
 

@@ -23,8 +23,7 @@ import sentencepiece as spm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.inputs import check_output_dir
-from megatron_train.outputs import made_dir
+from megatron_train.outputs import check_output_dir, made_dir
 from megatron_train.text_sources import input_files, iter_texts
 
 # SentencePiece rejects longer "sentences"; documents are fed in pieces of at most this size.

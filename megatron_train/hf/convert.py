@@ -36,10 +36,9 @@ from megatron_train.hf.model_dir import hf_dtype, read_hf_config
 from megatron_train.hf.plan import export_plan, hf_shapes
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
 from megatron_train.init import fill_weights
-from megatron_train.inputs import check_output_dir
 from megatron_train.models.family import Family, Index
 from megatron_train.models.registry import family_of
-from megatron_train.outputs import made_dir
+from megatron_train.outputs import check_output_dir, made_dir
 from megatron_train.resolve import imported_config
 
 SIDE_DIR = "hf"
