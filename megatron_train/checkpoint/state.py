@@ -186,12 +186,12 @@ def read_sharded(sharded_state: dict, path: Path, partial: bool = False, paralle
     """Load the tensors and objects ``sharded_state`` asks for (any layout), safely.
 
     ``partial`` allows asking for part of a tensor (one layer, say), which megatron's check
-    that the job's requests cover every tensor would otherwise refuse. ``parallel`` has each
-    data-parallel rank read a share of what they all need and exchange the rest, instead of
-    every rank reading all of it."""
+    that the job's requests cover every tensor would otherwise refuse. ``parallel`` (with more
+    than one data-parallel rank) has each data-parallel rank read a share of what they all need
+    and exchange the rest, instead of every rank reading all of it."""
     strategy = None
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True) if parallel else None
-    if group is not None and group.size() > 1:
+    if parallel:
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), group)
     with safe_unpickling():
         return dist_checkpointing.load(
