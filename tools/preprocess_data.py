@@ -30,7 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
@@ -134,15 +134,27 @@ def write_dataset(
     with dataset_files(prefix) as (tmp_bin, tmp_idx), open(tmp_bin, "wb") as bin_file:
         writer = TokenWriter(bin_file, job.dtype)
         bar = tqdm(unit="doc", desc="tokenizing", file=sys.stderr, disable=None if show_progress else True)
-        texts = iter(texts)
-        while batch := list(itertools.islice(texts, job.batch_size)):
-            documents = [t for t in batch if t]
-            ids = encode(documents)
+        texts, previous = iter(texts), None
+
+        def write(encoded: Future, batch: list[str], documents: list[str]) -> Counts:
+            ids = encoded.result()
             for doc in ids:
                 doc.append(job.eod)
-            text_bytes = sum(len(t.encode()) for t in documents)
-            counts += Counts(len(documents), len(batch) - len(documents), writer.add(ids), text_bytes)
             bar.update(len(batch))
+            text_bytes = sum(len(t.encode()) for t in documents)
+            return Counts(len(documents), len(batch) - len(documents), writer.add(ids), text_bytes)
+
+        # The tokenizers release the GIL: while one batch is encoded, the one before it is
+        # written and the next one read.
+        with ThreadPoolExecutor(1) as tokenizing:
+            while batch := list(itertools.islice(texts, job.batch_size)):
+                documents = [t for t in batch if t]
+                current = (tokenizing.submit(encode, documents), batch, documents)
+                if previous:
+                    counts += write(*previous)
+                previous = current
+            if previous:
+                counts += write(*previous)
         bar.close()
         if counts.docs == 0:
             raise ConfigError("--input", f"{source} holds no documents", "point it at a corpus")
