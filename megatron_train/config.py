@@ -253,6 +253,9 @@ class DataConfig:
     """With ``document_mask``: RoPE positions restart at 0 in each document."""
     num_workers: NonNegativeInt = 2
     """DataLoader worker processes per rank (0 reads in the training process)."""
+    build_threads: PositiveInt = 1
+    """Threads building the blend's dataset indices (megatron's ``num_dataset_builder_threads``);
+    a blend of many datasets on a parallel filesystem builds faster with 4-8."""
     build_timeout_minutes: PositiveFloat = 120.0
     """How long the other ranks wait while rank 0 builds the dataset index (the first run over a
     large blend can take far longer than the collective timeout of training)."""

@@ -2,19 +2,78 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+from megatron_train import megatron_compat
 from megatron_train.config import ExperimentConfig, parse_blend
 from megatron_train.tokenizer import load_tokenizer
 
 
-def build_datasets(cfg: ExperimentConfig, cache_dir: str) -> tuple[GPTDataset, GPTDataset | None]:
-    """The blended train and validation datasets, sized for the whole run."""
+class IndexProgress(logging.Handler):
+    """Counts the dataset indices megatron builds or reads from its cache while it builds a blend
+    (from the line it logs for each), and reports how far it got every ``every`` seconds."""
+
+    def __init__(self, total: int, report: Callable[[str], None], every: float = 10.0) -> None:
+        super().__init__(logging.INFO)
+        self.total, self.report, self.every = total, report, every
+        self.built = self.cached = 0
+        self.started = self.reported = time.monotonic()
+        self._lock = threading.Lock()  # megatron builds with several threads
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = megatron_compat.DATASET_INDEX_MESSAGE.search(record.getMessage())
+        if not found:
+            return
+        with self._lock:
+            if found.group(1) == "Load":
+                self.cached += 1
+            else:
+                self.built += 1
+            now = time.monotonic()
+            if now - self.reported >= self.every:
+                self.reported = now
+                self.report(
+                    f"dataset indices: {self.built + self.cached} of {self.total} begun after "
+                    f"{now - self.started:.0f} s ({self.summary()})"
+                )
+
+    def summary(self) -> str:
+        return f"{self.built} built, {self.cached} from cache"
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[IndexProgress]:
+        """Listen to megatron's dataset log while the body runs."""
+        logger = logging.getLogger(megatron_compat.DATASET_INDEX_LOGGER)
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            logger.setLevel(level)
+
+
+def index_count(cfg: ExperimentConfig) -> int:
+    """How many dataset indices the blend needs: one per dataset and split with a share."""
+    splits = sum(1 for part in cfg.data.split.split(",") if float(part) > 0)
+    return len(parse_blend(cfg.data.blend)[0]) * splits
+
+
+def build_datasets(
+    cfg: ExperimentConfig, cache_dir: str, progress: IndexProgress | None = None
+) -> tuple[GPTDataset, GPTDataset | None]:
+    """The blended train and validation datasets, sized for the whole run; ``progress`` hears
+    of each dataset index as it is built or read."""
     t = cfg.train
     train_samples = t.steps * t.global_batch_size
     valid_samples = t.eval_steps * t.global_batch_size if t.eval_interval > 0 else 0
@@ -24,6 +83,7 @@ def build_datasets(cfg: ExperimentConfig, cache_dir: str) -> tuple[GPTDataset, G
         blend=parse_blend(cfg.data.blend),
         split=cfg.data.split,
         path_to_cache=cache_dir,
+        num_dataset_builder_threads=cfg.data.build_threads,
         tokenizer=load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path),
         reset_position_ids=False,
         reset_attention_mask=False,
@@ -31,9 +91,11 @@ def build_datasets(cfg: ExperimentConfig, cache_dir: str) -> tuple[GPTDataset, G
         # Attention is causal by construction (SDPA is_causal / TE's causal mask type).
         create_attention_mask=False,
     )
-    train, valid, _ = BlendedMegatronDatasetBuilder(
+    builder = BlendedMegatronDatasetBuilder(
         GPTDataset, [train_samples, valid_samples, 0], lambda: True, dataset_config
-    ).build()
+    )
+    with progress.watching() if progress else contextlib.nullcontext():
+        train, valid, _ = builder.build()
     return train, valid
 
 

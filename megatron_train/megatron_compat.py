@@ -9,6 +9,7 @@ CPU redirection (``cpu_compat``) reaches megatron's private names only through t
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,13 @@ TESTED = SpecifierSet(">=0.16.1,<0.17")
 
 INDEX_HEADER: bytes = indexed_dataset._INDEX_HEADER
 """The magic bytes that open a megatron ``.idx`` file (its reader only asserts on them)."""
+
+
+DATASET_INDEX_LOGGER = "megatron.core.datasets.gpt_dataset"
+DATASET_INDEX_MESSAGE = re.compile(r"(Build and save|Load) the GPTDataset (train|valid|test) indices")
+"""While building a blend, megatron's GPTDataset logs one of these lines (at INFO, on rank 0) per
+dataset and split, as it starts building its sample index or reading it from the cache. It has
+no other signal of progress."""
 
 
 def is_tested_version() -> bool:

@@ -61,7 +61,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
 
     from megatron_train import warm_start
     from megatron_train.checkpoint.state import Progress
-    from megatron_train.data import batch_iterator, build_datasets
+    from megatron_train.data import IndexProgress, batch_iterator, build_datasets, index_count
     from megatron_train.evaluation import Evaluator
     from megatron_train.model import build_model, layer_implementation
     from megatron_train.optim import build_optimizer
@@ -93,11 +93,12 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     )
 
     started = time.perf_counter()
+    indices = IndexProgress(index_count(cfg), log.info)
     with runtime.patient_collectives(cfg.data.build_timeout_minutes):
-        train_ds, valid_ds = build_datasets(cfg, cfg.data.cache_dir or str(run_dir / "data_cache"))
+        train_ds, valid_ds = build_datasets(cfg, cfg.data.cache_dir or str(run_dir / "data_cache"), indices)
     log.info(
-        f"datasets ready in {time.perf_counter() - started:.1f} s: {len(train_ds):,} training samples, "
-        f"{len(valid_ds) if valid_ds else 0:,} validation samples"
+        f"datasets ready in {time.perf_counter() - started:.1f} s (indices: {indices.summary()}): "
+        f"{len(train_ds):,} training samples, {len(valid_ds) if valid_ds else 0:,} validation samples"
     )
     train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in model]
     evaluator = Evaluator(cfg, stepper, valid_ds, log)

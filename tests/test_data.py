@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -15,7 +16,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_train import batch
+from megatron_train import batch, megatron_compat
+from megatron_train.data import IndexProgress, build_datasets, index_count
+from megatron_train.resolve import load_config
 from megatron_train.tokenizer import load_tokenizer
 from tests.conftest import ROOT, run_tool, torchrun_command, torchrun_env, write_config
 
@@ -90,6 +93,28 @@ def test_blend_proportions(tmp_path, corpus, tokenizer, single_process_group):
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [n, 0, 0], lambda: True, config).build()
     share_a = np.mean(train.dataset_index[:n] == 0)
     assert abs(share_a - 0.75) < 0.01, share_a
+
+
+def test_index_progress_counts_every_dataset_built_then_read_from_the_cache(
+    tmp_path, corpus, single_process_group
+):
+    prefixes = []
+    for name in ("a", "b", "c"):
+        for suffix in (".bin", ".idx"):
+            (tmp_path / f"{name}{suffix}").symlink_to(str(corpus["prefix"]) + suffix)
+        prefixes += [1.0, str(tmp_path / name)]
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"),
+        [f"data.blend={json.dumps(prefixes)}", "data.split=80,10,10", "data.build_threads=2"],
+    )
+    assert index_count(cfg) == 9
+    for run, counts in ((1, "9 built, 0 from cache"), (2, "0 built, 9 from cache")):
+        lines = []
+        progress = IndexProgress(index_count(cfg), lines.append, every=0)
+        build_datasets(cfg, str(tmp_path / "cache"), progress)
+        assert progress.summary() == counts, run
+        assert len(lines) == 9 and lines[-1].startswith("dataset indices: 9 of 9 begun after"), lines
+    assert not logging.getLogger(megatron_compat.DATASET_INDEX_LOGGER).handlers
 
 
 @pytest.mark.slow
