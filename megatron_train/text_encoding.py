@@ -7,8 +7,8 @@ to (``encode_special_tokens``); SentencePiece never produces control symbols fro
 document's end-of-document token (``eod``: the same id megatron-core's tokenizer calls ``eod``,
 which training masks documents by) is appended by the caller.
 
-The tokenizer libraries are loaded directly, without torch or megatron-core: preprocessing is
-bound by the tokenizer, and their import would be most of a small job's time.
+The tokenizers are loaded without megatron-core (and SentencePiece without torch): preprocessing
+is bound by the tokenizer, and those imports would be most of a small job's time.
 """
 
 from __future__ import annotations
