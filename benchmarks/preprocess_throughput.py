@@ -8,7 +8,8 @@ Each tool runs as its own process tree (Megatron-LM's from its own checkout, as 
 path of one at the tag matching our megatron-core, e.g. core_v0.16.1); the figures are wall time,
 documents per second and the peak resident memory of the whole tree, sampled every 20 ms. The two
 tools take turns, ``--repeats`` times each, and the median time is shown: on a shared machine one
-run can be several seconds off. The
+run can be several seconds off. A ``tokenizer`` row gives the tokenizer library's own time for
+the same texts (in memory, no reading or writing), the floor under both tools. The
 token files (.bin) are compared byte for byte; inputs holding special-token strings legitimately
 differ (Megatron-LM reads them as special tokens, we read them as text). The .idx files differ
 where the input has empty texts: Megatron-LM records each as a document of no sequences, we skip
@@ -55,6 +56,30 @@ def timed(command: list[str], cwd: Path) -> tuple[float, int]:
     if child.returncode != 0:
         raise SystemExit(f"{command[1]} failed:\n{child.stderr.read()[-3000:]}")
     return elapsed, peak
+
+
+# The tokenizer library's own encoding of the same texts, in memory, in the batches and threads
+# our tool uses: the floor under both tools' times. Its own process, as a Hugging Face
+# tokenizer's thread count is fixed once per process.
+_TOKENIZER_ALONE = """
+import json, sys, time
+from megatron_train.text_encoding import text_encoder
+path, key, kind, tokenizer, workers = sys.argv[1:]
+with open(path, encoding="utf-8") as lines:
+    texts = [t for line in lines if line.strip() and (t := json.loads(line).get(key))]
+encode = text_encoder(kind, tokenizer, int(workers)).encode
+start = time.perf_counter()
+for i in range(0, len(texts), 1024):
+    encode(texts[i : i + 1024])
+print(time.perf_counter() - start)
+"""
+
+
+def tokenizer_alone(args: argparse.Namespace, workers: int) -> float:
+    """Seconds the tokenizer library takes to encode the input's texts with ``workers`` threads."""
+    command = [sys.executable, "-c", _TOKENIZER_ALONE, str(args.input), args.text_key, args.tokenizer_type,
+               args.tokenizer, str(workers)]  # fmt: skip
+    return float(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
 
 
 def count_documents(path: Path, key: str) -> int:
@@ -122,6 +147,8 @@ def main() -> int:
                 ratio = f"{theirs[0] / seconds:.2f}x" if theirs and tool == "ours" else ""
                 rate, mib = docs / seconds, peak / 2**20
                 print(f"{workers:>7} {tool:12} {seconds:8.1f} {rate:8.0f} {mib:9.0f} {ratio:>15}")
+            alone = tokenizer_alone(args, workers)
+            print(f"{workers:>7} {'tokenizer':12} {alone:8.1f} {docs / alone:8.0f}  (encoding only, 1 run)")
             if same is not None:
                 print(f"{'':>7} tokens (.bin) byte-identical: {same}")
     return 0
