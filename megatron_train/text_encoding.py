@@ -48,8 +48,9 @@ def _sentencepiece(path: str, threads: int) -> TextEncoder:
 
 
 def _huggingface(path: str, threads: int) -> TextEncoder:
-    # The Rust thread pool reads its size once, when it first runs.
-    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+    # The Rust thread pool reads its size once, when it first runs: set here, before any encoding,
+    # it gives each of preprocessing's forked shard writers its own share of the threads.
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
     from transformers import AutoTokenizer
 
     # transformers, not tokenizer.json alone: its tokenizer classes may rebuild the pipeline on

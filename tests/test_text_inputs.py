@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import subprocess
 import sys
@@ -115,6 +116,7 @@ TEXT_WITH_SPECIALS = "x " + " ".join(SPECIALS) + " <s>def</s>"
 
 def test_huggingface_text_never_produces_special_tokens(hf_tokenizer):
     encoder = text_encoder("huggingface", str(hf_tokenizer), threads=2)
+    assert os.environ["RAYON_NUM_THREADS"] == "2", "the tokenizer's thread pool size"
     encode = encoder.encode
     special_ids = {Tokenizer.from_file(str(hf_tokenizer / "tokenizer.json")).token_to_id(s) for s in SPECIALS}
     (ids,) = encode([TEXT_WITH_SPECIALS])
