@@ -136,7 +136,10 @@ def test_index_build_longer_than_the_collective_timeout(tmp_path, corpus):
     assert "stopped early (checkpoint saved)" in result.stdout, result.stderr[-4000:]
     codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", result.stderr))
     assert "3" in codes and codes <= {"3", "-15"}, result.stderr[-4000:]
-    built_in = float(re.search(r"datasets ready in ([\d.]+) s: 256,", result.stdout).group(1))
+    line = r"datasets ready in ([\d.]+) s \(indices: (\d+) built, 0 from cache\): 256,"
+    ready = re.search(line, result.stdout)
+    built_in = float(ready.group(1))
+    assert ready.group(2) == "2", "one index for each split with a share (train and valid)"
     assert built_in > 12, f"the index built in {built_in} s, within the timeout: the test proves nothing"
 
 
