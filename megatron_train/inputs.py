@@ -16,6 +16,7 @@ from megatron_train import megatron_compat
 from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir
 from megatron_train.errors import ConfigError
 from megatron_train.outputs import check_output_dir
+from megatron_train.text_encoding import tokenizer_loading
 from megatron_train.tokenizer import load_tokenizer
 
 # magic (9 bytes), version (u64), dtype code (u8), sequence count (u64), document count (u64)
@@ -67,22 +68,9 @@ def checked_tokenizer(kind: str, path: str | None, key: str = "data.tokenizer.pa
     """The tokenizer at ``path``, loaded as ``kind``; anything that is not one is a ConfigError."""
     if path is None:
         raise ConfigError(key, "no tokenizer given", "set the tokenizer path")
-    if not Path(path).exists():
-        raise ConfigError(
-            key,
-            f"{path!r} does not exist",
-            "train one with tools/train_tokenizer.py or point to an existing tokenizer",
-        )
-    try:
+    with tokenizer_loading(kind, path, key, type_key="data.tokenizer.type"):
         tokenizer = load_tokenizer(kind, path)
         tokenizer.vocab_size  # noqa: B018 - some loaders fail only here
-    except Exception as err:  # sentencepiece, transformers and megatron raise many kinds
-        reason = " ".join(str(err).split())[:300] or type(err).__name__
-        raise ConfigError(
-            key,
-            f"{path} does not load as a {kind} tokenizer ({reason})",
-            "point it at a tokenizer of that type, or set data.tokenizer.type to the type it is",
-        ) from err
     return tokenizer
 
 

@@ -13,8 +13,9 @@ is bound by the tokenizer, and those imports would be most of a small job's time
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,12 +67,10 @@ def _huggingface(path: str, threads: int) -> TextEncoder:
     return TextEncoder(encode, tokenizer.eos_token_id, len(tokenizer))
 
 
-def text_encoder(kind: str, path: str, threads: int, key: str = "--tokenizer") -> TextEncoder:
-    """The ``sentencepiece`` model file or ``huggingface`` tokenizer directory at ``path``, using
-    up to ``threads`` threads; a missing or unloadable tokenizer, or one without an
-    end-of-document token, is a ConfigError at ``key``."""
-    if kind not in ("sentencepiece", "huggingface"):
-        raise ValueError(f"unknown tokenizer type {kind!r}; use sentencepiece or huggingface")
+@contextlib.contextmanager
+def tokenizer_loading(kind: str, path: str, key: str, type_key: str) -> Iterator[None]:
+    """Around loading the ``kind`` tokenizer at ``path``: a missing path, or any failure of the
+    body, is a ConfigError at ``key`` (``type_key`` names the option that gives the type)."""
     if not Path(path).exists():
         raise ConfigError(
             key,
@@ -79,14 +78,24 @@ def text_encoder(kind: str, path: str, threads: int, key: str = "--tokenizer") -
             "train one with tools/train_tokenizer.py or point to an existing tokenizer",
         )
     try:
-        encoder = (_sentencepiece if kind == "sentencepiece" else _huggingface)(path, threads)
-    except Exception as err:  # sentencepiece and transformers raise many kinds
+        yield
+    except Exception as err:  # sentencepiece, transformers and megatron raise many kinds
         reason = " ".join(str(err).split())[:300] or type(err).__name__
         raise ConfigError(
             key,
             f"{path} does not load as a {kind} tokenizer ({reason})",
-            "point it at a tokenizer of that type, or give the type it is",
+            f"point it at a tokenizer of that type, or set {type_key} to the type it is",
         ) from err
+
+
+def text_encoder(kind: str, path: str, threads: int, key: str = "--tokenizer") -> TextEncoder:
+    """The ``sentencepiece`` model file or ``huggingface`` tokenizer directory at ``path``, using
+    up to ``threads`` threads; a missing or unloadable tokenizer, or one without an
+    end-of-document token, is a ConfigError at ``key``."""
+    if kind not in ("sentencepiece", "huggingface"):
+        raise ValueError(f"unknown tokenizer type {kind!r}; use sentencepiece or huggingface")
+    with tokenizer_loading(kind, path, key, type_key="--tokenizer-type"):
+        encoder = (_sentencepiece if kind == "sentencepiece" else _huggingface)(path, threads)
     if encoder.eod is None:
         raise ConfigError(
             key, f"{path} has no end-of-document (eos) token", "use a tokenizer that defines one"
