@@ -19,9 +19,9 @@ from tests.conftest import ROOT
 
 # Lowest first; a module may import from its own layer or a lower one, never a higher one.
 LAYERS = [
-    ["errors", "config", "megatron_compat", "cpu_compat", "tokenizer", "text_sources", "text_encoding",
-     "token_writer", "checkpoint.files", "checkpoint.safe_load", "hf.model_dir", "hf.safetensors_io",
-     "outputs"],
+    ["errors", "config", "megatron_compat", "cpu_compat", "tokenizer", "text_sources", "sentencepiece_cuts",
+     "text_encoding", "token_writer", "checkpoint.files", "checkpoint.safe_load", "hf.model_dir",
+     "hf.safetensors_io", "outputs"],
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory", "moe_stats"],
