@@ -53,5 +53,8 @@ def check_output_dir(key: str, path: Path) -> None:
         raise ConfigError(
             key, f"{path} cannot be a directory: {probe} is a file", "choose a path outside that file"
         )
-    if not os.access(probe, os.W_OK | os.X_OK):
+    # root passes os.access everywhere, even in /proc; a folder that grants nobody write access
+    # (kernel file systems, folders made read-only on purpose) is refused for root too.
+    read_only = os.geteuid() == 0 and not probe.stat().st_mode & 0o222
+    if read_only or not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(key, f"{probe} is not writable", "choose a writable location")

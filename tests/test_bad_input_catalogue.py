@@ -351,6 +351,8 @@ CASES = [
     Case(
         "run-dir-under-file", "train", _train("logging.run_dir=WS/corpus/spm.model/run"), "'logging.run_dir'"
     ),
+    # os.access tells root it may write into /proc; making the run there would fail later
+    Case("run-dir-in-proc", "train", _train("logging.run_dir=/proc/megatron-train/run"), "'logging.run_dir'"),
     # train: checkpoints to resume from (the existing run must stay as it was)
     Case(
         "resume-other-architecture",
@@ -781,6 +783,19 @@ CASES = [
         ),
         "t.model",
         _write("t.model", b"garbage"),
+    ),
+    Case(
+        "preprocess-output-in-proc",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "/proc/megatron-train/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "--output-prefix",
     ),
     Case(
         "preprocess-output-under-file",
