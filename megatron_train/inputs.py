@@ -12,11 +12,11 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
-from megatron_train import megatron_compat
 from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir
 from megatron_train.errors import ConfigError
 from megatron_train.outputs import check_output_dir
 from megatron_train.text_encoding import tokenizer_loading
+from megatron_train.token_writer import INDEX_HEADER
 from megatron_train.tokenizer import load_tokenizer
 
 # magic (9 bytes), version (u64), dtype code (u8), sequence count (u64), document count (u64)
@@ -34,7 +34,7 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
             raise ConfigError(key, f"{path} does not exist", _REPREPROCESS)
     with open(idx, "rb") as f:
         head = f.read(_HEADER.size)
-    if len(head) < _HEADER.size or not head.startswith(megatron_compat.INDEX_HEADER):
+    if len(head) < _HEADER.size or not head.startswith(INDEX_HEADER):
         raise ConfigError(key, f"{idx} is not a megatron index (no MMIDIDX header)", _REPREPROCESS)
     _, version, code, sequences, documents = _HEADER.unpack(head)
     if version != 1:

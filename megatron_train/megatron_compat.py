@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from megatron.core import package_info
-from megatron.core.datasets import indexed_dataset
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
@@ -36,10 +35,6 @@ from packaging.version import Version
 
 TESTED = SpecifierSet(">=0.16.1,<0.17")
 """The megatron-core versions this module was checked against (pyproject pins the same)."""
-
-
-INDEX_HEADER: bytes = indexed_dataset._INDEX_HEADER
-"""The magic bytes that open a megatron ``.idx`` file (its reader only asserts on them)."""
 
 
 DATASET_INDEX_LOGGER = "megatron.core.datasets.gpt_dataset"
