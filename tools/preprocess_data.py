@@ -40,7 +40,7 @@ from tqdm import tqdm
 from megatron_train import cli
 from megatron_train.errors import ConfigError
 from megatron_train.outputs import check_output_dir, dataset_files, made_dir
-from megatron_train.text_encoding import text_encoder
+from megatron_train.text_encoding import Encode, text_encoder
 from megatron_train.text_sources import SUFFIXES, input_files, read_texts
 from megatron_train.token_writer import TokenWriter, token_dtype
 
@@ -110,7 +110,9 @@ def preprocess(args: argparse.Namespace) -> None:
     else:
         with made_dir(out.parent):
             texts = _texts(files, job.text_key)
-            counts = write_dataset(out, texts, " ".join(args.input), job, show_progress=True)
+            counts = write_dataset(
+                out, texts, " ".join(args.input), tokenizer.encode, job, show_progress=True
+            )
         written = f"{out}.bin/.idx"
     elapsed = time.perf_counter() - start
     print(
@@ -125,11 +127,10 @@ def _texts(files: list[Path], key: str) -> Iterable[str]:
 
 
 def write_dataset(
-    prefix: Path, texts: Iterable[str], source: str, job: Job, show_progress: bool = False
+    prefix: Path, texts: Iterable[str], source: str, encode: Encode, job: Job, show_progress: bool = False
 ) -> Counts:
-    """Tokenize ``texts`` (read from ``source``) into ``prefix``.bin/.idx, which appear only once
-    complete."""
-    encode = text_encoder(job.tokenizer_type, job.tokenizer, job.threads).encode
+    """Tokenize ``texts`` (read from ``source``) with ``encode`` into ``prefix``.bin/.idx, which
+    appear only once complete."""
     counts = Counts()
     with dataset_files(prefix) as (tmp_bin, tmp_idx), open(tmp_bin, "wb") as bin_file:
         writer = TokenWriter(bin_file, job.dtype)
@@ -182,7 +183,10 @@ def shard_names(files: list[Path]) -> list[str]:
 
 
 def _write_shard(path: Path, prefix: Path, job: Job) -> Counts:
-    return write_dataset(prefix, read_texts(path, job.text_key), str(path), job)
+    # Each worker loads its own: a tokenizer does not pickle, and a forked Hugging Face one would
+    # keep the parent's thread count.
+    encode = text_encoder(job.tokenizer_type, job.tokenizer, job.threads).encode
+    return write_dataset(prefix, read_texts(path, job.text_key), str(path), encode, job)
 
 
 def _write_shards(files: list[Path], out: Path, job: Job) -> tuple[Counts, str]:
