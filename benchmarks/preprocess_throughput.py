@@ -8,9 +8,9 @@ Each tool runs as its own process tree (Megatron-LM's from its own checkout, as 
 path of one at the tag matching our megatron-core, e.g. core_v0.16.1); the figures are wall time,
 documents per second and the peak resident memory of the whole tree, sampled every 20 ms. The two
 tools take turns, ``--repeats`` times each, and the median time is shown: on a shared machine one
-run can be several seconds off. A ``tokenizer`` row gives the tokenizer library's own time for
-the same texts (in memory, no reading or writing), the floor under both tools. The
-token files (.bin) are compared byte for byte; inputs holding special-token strings legitimately
+run can be several seconds off. A ``tokenizer`` row gives the encoding alone of the same texts
+(in memory, no reading or writing), as our tool calls the tokenizer library: the floor under our
+time. The token files (.bin) are compared byte for byte; inputs holding special-token strings legitimately
 differ (Megatron-LM reads them as special tokens, we read them as text). The .idx files differ
 where the input has empty texts: Megatron-LM records each as a document of no sequences, we skip
 it.
@@ -58,9 +58,9 @@ def timed(command: list[str], cwd: Path) -> tuple[float, int]:
     return elapsed, peak
 
 
-# The tokenizer library's own encoding of the same texts, in memory, in the batches and threads
-# our tool uses: the floor under both tools' times. Its own process, as a Hugging Face
-# tokenizer's thread count is fixed once per process.
+# The encoding alone of the same texts, in memory, in the batches and threads our tool uses: the
+# floor under its time. Its own process, as a Hugging Face tokenizer's thread count is fixed once
+# per process.
 _TOKENIZER_ALONE = """
 import json, sys, time
 from megatron_train.text_encoding import text_encoder
