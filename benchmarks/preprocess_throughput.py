@@ -10,7 +10,9 @@ documents per second and the peak resident memory of the whole tree, sampled eve
 tools take turns, ``--repeats`` times each, and the median time is shown: on a shared machine one
 run can be several seconds off. A ``tokenizer`` row gives the encoding alone of the same texts
 (in memory, no reading or writing), as our tool calls the tokenizer library: the floor under our
-time. The token files (.bin) are compared byte for byte; inputs holding special-token strings legitimately
+time. With SentencePiece a ``whole texts`` row gives the library's call on each whole text, as
+Megatron-LM makes it (ours cuts long texts: megatron_train/sentencepiece_cuts.py). The token
+files (.bin) are compared byte for byte; inputs holding special-token strings legitimately
 differ (Megatron-LM reads them as special tokens, we read them as text). The .idx files differ
 where the input has empty texts: Megatron-LM records each as a document of no sequences, we skip
 it.
@@ -58,16 +60,20 @@ def timed(command: list[str], cwd: Path) -> tuple[float, int]:
     return elapsed, peak
 
 
-# The encoding alone of the same texts, in memory, in the batches and threads our tool uses: the
-# floor under its time. Its own process, as a Hugging Face tokenizer's thread count is fixed once
-# per process.
+# The encoding alone of the same texts, in memory, in the batches and threads our tool uses (or
+# SentencePiece's own call on whole texts). Its own process, as a Hugging Face tokenizer's thread
+# count is fixed once per process.
 _TOKENIZER_ALONE = """
 import json, sys, time
+import sentencepiece
 from megatron_train.text_encoding import text_encoder
-path, key, kind, tokenizer, workers = sys.argv[1:]
+path, key, kind, tokenizer, workers, whole = sys.argv[1:]
 with open(path, encoding="utf-8") as lines:
     texts = [t for line in lines if line.strip() and (t := json.loads(line).get(key))]
 encode = text_encoder(kind, tokenizer, int(workers)).encode
+if whole == "whole":
+    processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
+    encode = lambda batch: processor.encode(batch, out_type=int, num_threads=int(workers))
 start = time.perf_counter()
 for i in range(0, len(texts), 1024):
     encode(texts[i : i + 1024])
@@ -75,10 +81,11 @@ print(time.perf_counter() - start)
 """
 
 
-def tokenizer_alone(args: argparse.Namespace, workers: int) -> float:
-    """Seconds the tokenizer library takes to encode the input's texts with ``workers`` threads."""
+def tokenizer_alone(args: argparse.Namespace, workers: int, whole: bool = False) -> float:
+    """Seconds the encoding of the input's texts takes with ``workers`` threads: as our tool
+    calls the library, or (SentencePiece) the library's call on each whole text."""
     command = [sys.executable, "-c", _TOKENIZER_ALONE, str(args.input), args.text_key, args.tokenizer_type,
-               args.tokenizer, str(workers)]  # fmt: skip
+               args.tokenizer, str(workers), "whole" if whole else "ours"]  # fmt: skip
     return float(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
 
 
@@ -149,6 +156,10 @@ def main() -> int:
                 print(f"{workers:>7} {tool:12} {seconds:8.1f} {rate:8.0f} {mib:9.0f} {ratio:>15}")
             alone = tokenizer_alone(args, workers)
             print(f"{workers:>7} {'tokenizer':12} {alone:8.1f} {docs / alone:8.0f}  (encoding only, 1 run)")
+            if args.tokenizer_type == "sentencepiece":
+                alone = tokenizer_alone(args, workers, whole=True)
+                note = "(the library's call, 1 run)"
+                print(f"{workers:>7} {'whole texts':12} {alone:8.1f} {docs / alone:8.0f}  {note}")
             if same is not None:
                 print(f"{'':>7} tokens (.bin) byte-identical: {same}")
     return 0
