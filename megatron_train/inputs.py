@@ -1,6 +1,7 @@
 """The files a config names, checked before any of them is used: indexed datasets (header,
 version, dtype and sizes against the ``.bin``), the tokenizer (loadable as its stated type, and
-its vocabulary fits the data) and the output directories (creatable). Each problem is a
+its vocabulary fits the data), every split of every dataset holding at least one sample, and the
+output directories (creatable). Each problem is a
 ConfigError naming the key; nothing is written."""
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
@@ -51,8 +56,7 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
             f"implies {expected}: truncated, empty or damaged",
             _REPREPROCESS,
         )
-    lengths = np.memmap(idx, np.int32, "r", offset=_HEADER.size, shape=(sequences,))
-    pointers = np.memmap(idx, np.int64, "r", offset=_HEADER.size + 4 * sequences, shape=(sequences,))
+    lengths, pointers = _lengths_and_pointers(idx, sequences)
     indexed = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize
     if bin_.stat().st_size != indexed:
         raise ConfigError(
@@ -62,6 +66,59 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
             _REPREPROCESS,
         )
     return dtype
+
+
+def _lengths_and_pointers(idx: Path, sequences: int) -> tuple[np.ndarray, np.ndarray]:
+    # Mapped, not read: a sum over a large dataset's lengths would read all of them.
+    lengths = np.memmap(idx, np.int32, "r", offset=_HEADER.size, shape=(sequences,))
+    pointers = np.memmap(idx, np.int64, "r", offset=_HEADER.size + 4 * sequences, shape=(sequences,))
+    return lengths, pointers
+
+
+def split_tokens(prefix: str, split: str) -> list[int | None]:
+    """The tokens in each split (train, valid, test) of the checked indexed dataset at
+    ``prefix``, cut as megatron's builder cuts it: by sequence, each boundary rounded. None for a
+    split with no share."""
+    idx = Path(prefix + ".idx")
+    with open(idx, "rb") as f:
+        _, _, code, sequences, _ = _HEADER.unpack(f.read(_HEADER.size))
+    itemsize = np.dtype(DType.dtype_from_code(code)).itemsize
+    lengths, pointers = _lengths_and_pointers(idx, sequences)
+    tokens: list[int | None] = []
+    for bounds in convert_split_vector_to_split_matrix(parse_and_normalize_split(split)):
+        if bounds is None:
+            tokens.append(None)
+            continue
+        begin, end = (int(round(b * float(sequences))) for b in bounds)
+        if end <= begin:
+            tokens.append(0)
+            continue
+        # The sequences lie in order in the .bin: two pointers give the tokens between them.
+        tokens.append((int(pointers[end - 1]) - int(pointers[begin])) // itemsize + int(lengths[end - 1]))
+    return tokens
+
+
+def check_splits_hold_a_sample(prefixes: list[str], split: str, seq_length: int) -> None:
+    """Every split with a share, of every dataset, holds one sample (``seq_length`` + 1 tokens).
+    megatron-core would stop on an assertion for an unweighted blend, and loop forever over an
+    empty split of a weighted one."""
+    names = ("train", "valid", "test")
+    short = [
+        (prefix, name, tokens)
+        for prefix in prefixes
+        for name, tokens in zip(names, split_tokens(prefix, split), strict=True)
+        if tokens is not None and tokens < seq_length + 1
+    ]
+    if short:
+        prefix, name, tokens = short[0]
+        more = f" (and {len(short) - 1} more dataset splits)" if len(short) > 1 else ""
+        raise ConfigError(
+            "data.blend",
+            f"the {name} split of {prefix} (data.split={split}) holds {tokens} tokens, fewer than one "
+            f"sample of data.seq_length + 1 = {seq_length + 1}{more}",
+            "merge small datasets with tools/merge_datasets.py, leave this one out, or give that split "
+            "no share in data.split",
+        )
 
 
 def checked_tokenizer(kind: str, path: str | None, key: str = "data.tokenizer.path") -> MegatronTokenizerBase:
@@ -92,6 +149,7 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     if not cfg.data.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     dtypes = {prefix: check_indexed_dataset(prefix) for prefix in blend_prefixes(cfg.data.blend)}
+    check_splits_hold_a_sample(list(dtypes), cfg.data.split, cfg.data.seq_length)
     tokenizer = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
     vocab = tokenizer.vocab_size
     if cfg.data.document_mask and tokenizer.eod is None:

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from megatron_train.token_writer import TokenWriter
 from tests.conftest import ROOT, load_tool, write_config
 
 transformers = pytest.importorskip("transformers")
@@ -147,6 +149,20 @@ def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
         for suffix in (".bin", ".idx"):
             shutil.copy2(ws / "corpus" / f"stdlib{suffix}", d / f"data{suffix}")
         damage(d / "data")
+
+    return setup
+
+
+def _small_data(docs: int, tokens: int) -> Callable[[Path, str], None]:
+    """A dataset of ``docs`` documents of ``tokens`` tokens each."""
+
+    def setup(ws: Path, case_id: str) -> None:
+        d = _case(ws, case_id)
+        d.mkdir(parents=True)
+        with open(d / "data.bin", "wb") as f:
+            writer = TokenWriter(f, np.dtype(np.uint16))
+            writer.add([[5] * tokens for _ in range(docs)])
+        writer.write_index(d / "data.idx")
 
     return setup
 
@@ -290,6 +306,29 @@ CASES = [
         _train("data.blend=[WS/cases/idx-truncated/data]"),
         "data.idx",
         _copy_data(_truncate(".idx", 100)),
+    ),
+    # megatron-core asserts on an unweighted blend with a split too short for a sample, and loops
+    # forever over a weighted blend's empty split
+    Case(
+        "split-without-a-sample",
+        "train",
+        _train("data.blend=[WS/cases/split-without-a-sample/data]"),
+        "the train split of",
+        _small_data(docs=1, tokens=6),
+    ),
+    Case(
+        "blend-split-without-a-sample",
+        "train",
+        _train("data.blend=[WS/corpus/stdlib,WS/cases/blend-split-without-a-sample/data]"),
+        "the valid split of",
+        _small_data(docs=10, tokens=20),
+    ),
+    Case(
+        "weighted-blend-empty-split",
+        "train",
+        _train("data.blend=[0.5,WS/corpus/stdlib,0.5,WS/cases/weighted-blend-empty-split/data]"),
+        "holds 0 tokens",
+        _small_data(docs=4, tokens=400),
     ),
     Case(
         "idx-header-only",

@@ -18,6 +18,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_train import batch, megatron_compat
 from megatron_train.data import IndexProgress, build_datasets, index_count
+from megatron_train.inputs import split_tokens
 from megatron_train.resolve import load_config
 from megatron_train.tokenizer import load_tokenizer
 from tests.conftest import ROOT, run_tool, torchrun_command, torchrun_env, write_config
@@ -93,6 +94,24 @@ def test_blend_proportions(tmp_path, corpus, tokenizer, single_process_group):
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [n, 0, 0], lambda: True, config).build()
     share_a = np.mean(train.dataset_index[:n] == 0)
     assert abs(share_a - 0.75) < 0.01, share_a
+
+
+@pytest.mark.parametrize("split", ["90,7,3", "98,2,0", "1,1,1"])
+def test_split_tokens_are_the_tokens_of_megatrons_splits(
+    tmp_path, corpus, tokenizer, single_process_group, split
+):
+    """One epoch of each split megatron builds holds (tokens - 1) // seq_length samples."""
+    prefix, seq_length = str(corpus["prefix"]), 64
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=seq_length, blend=([prefix], None), split=split,
+        path_to_cache=str(tmp_path), tokenizer=tokenizer, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+    )  # fmt: skip
+    datasets = BlendedMegatronDatasetBuilder(GPTDataset, [None] * 3, lambda: True, config).build()
+    for tokens, dataset in zip(split_tokens(prefix, split), datasets, strict=True):
+        assert (tokens is None) == (dataset is None)
+        if tokens is not None:
+            assert len(dataset) == (tokens - 1) // seq_length, split
 
 
 def test_index_progress_counts_every_dataset_built_then_read_from_the_cache(
