@@ -1,8 +1,8 @@
 """The files a config names, checked before any of them is used: indexed datasets (header,
-version, dtype and sizes against the ``.bin``), the tokenizer (loadable as its stated type, and
-its vocabulary fits the data), every split of every dataset holding at least one sample, and the
-output directories (creatable). Each problem is a
-ConfigError naming the key; nothing is written."""
+version, dtype and sizes against the ``.bin``), every split of every dataset (one sample at
+least), the tokenizer (loadable as its stated type, and its vocabulary fits the data) and the
+output directories (creatable). Each problem is a ConfigError naming the key; nothing is
+written."""
 
 from __future__ import annotations
 

@@ -1,17 +1,18 @@
 """Long texts cut into parts that a SentencePiece BPE model encodes faster, to the same ids.
 
 SentencePiece's BPE merges a whole text at once, from one heap of candidate pairs; on the
-stdlib corpus (18 KB documents) it encodes 1 KB parts of each document about a sixth faster
-than the document whole (``benchmarks/preprocess_throughput.py``). A cut between two characters
-changes no id when no piece of the vocabulary holds those two characters side by side: no merge
-can then join symbols across the cut, so each side makes the merges it would make alone, in the
-same order (equal scores are taken leftmost first on either side).
+stdlib corpus (18 KB documents) it encodes 512-character parts of each document about a sixth
+faster than the document whole (``benchmarks/preprocess_throughput.py``, its ``tokenizer`` and
+``whole texts`` rows). A cut between two characters changes no id when no piece of the
+vocabulary holds those two characters side by side: no merge can then join symbols across the
+cut, so each side makes the merges it would make alone, in the same order (equal scores are
+taken leftmost first on either side).
 
 That reasoning needs a normalizer that maps each character on its own and adds nothing where a
 part begins: no normalization table (SentencePiece's "identity"), no removal of extra
-whitespace, whitespace not treated as a suffix. Llama-2-style and tools/train_tokenizer.py's
-models qualify; a dummy prefix is added by hand, once, to the first part. Other models
-(unigram, NFKC-normalizing) are encoded whole.
+whitespace, whitespace not treated as a suffix. tools/train_tokenizer.py's models qualify, and
+Llama-2-style ones, whose dummy prefix is added here by hand, once, to the first part. Other
+models (unigram, NFKC-normalizing) are encoded whole.
 """
 
 from __future__ import annotations
