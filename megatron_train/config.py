@@ -830,9 +830,13 @@ def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
         )
     else:
         prefixes, weights = list(blend[1::2]), [float(w) for w in blend[::2]]
-    if weights is not None and not sum(weights) > 0:
+    zero = [p for w, p in zip(weights, prefixes, strict=True) if w == 0] if weights else []
+    if zero:
+        # megatron-core's blend asserts that every weight is positive
         raise ConfigError(
-            "data.blend", f"the weights {weights} are all 0", "give some prefix a positive weight"
+            "data.blend",
+            f"{zero[0]} has weight 0" + (f" (and {len(zero) - 1} more prefixes)" if len(zero) > 1 else ""),
+            "leave it out of the blend or give it a positive weight",
         )
     if not all(p.strip() for p in prefixes):
         raise ConfigError("data.blend", "an empty prefix", "write each dataset's path without .bin/.idx")

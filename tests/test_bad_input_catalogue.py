@@ -290,7 +290,13 @@ CASES = [
     ),
     # train: data and tokenizer
     Case("blend-odd-pairs", "train", _train("data.blend=[0.5, WS/corpus/stdlib, 0.5]"), "pairs"),
-    Case("blend-zero-weights", "train", _train("data.blend=[0, WS/corpus/stdlib]"), "all 0"),
+    Case("blend-zero-weights", "train", _train("data.blend=[0, WS/corpus/stdlib]"), "has weight 0"),
+    Case(
+        "blend-one-zero-weight",
+        "train",
+        _train("data.blend=[1, WS/corpus/stdlib, 0, WS/run]"),
+        "run has weight 0",
+    ),
     Case("blend-negative-weight", "train", _train("data.blend=[-1, WS/corpus/stdlib]"), "'data.blend'"),
     Case("blend-missing-idx", "train", _train("data.blend=[WS/corpus/nothing]"), "does not exist"),
     Case(
