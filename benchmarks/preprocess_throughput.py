@@ -70,10 +70,11 @@ from megatron_train.text_encoding import text_encoder
 path, key, kind, tokenizer, workers, whole = sys.argv[1:]
 with open(path, encoding="utf-8") as lines:
     texts = [t for line in lines if line.strip() and (t := json.loads(line).get(key))]
-encode = text_encoder(kind, tokenizer, int(workers)).encode
 if whole == "whole":
     processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
     encode = lambda batch: processor.encode(batch, out_type=int, num_threads=int(workers))
+else:
+    encode = text_encoder(kind, tokenizer, int(workers)).encode
 start = time.perf_counter()
 for i in range(0, len(texts), 1024):
     encode(texts[i : i + 1024])
