@@ -270,7 +270,7 @@ class OptimizerConfig:
     lr: PositiveFloat = 3e-4
     """Peak learning rate."""
     min_lr: NonNegativeFloat = 3e-5
-    """Learning rate at the end of decay."""
+    """Learning rate at the end of decay; at most ``lr``."""
     weight_decay: NonNegativeFloat = 0.1
     """Decoupled weight decay (not applied to norms and biases)."""
     adam_beta1: Probability = 0.9
@@ -286,7 +286,8 @@ class OptimizerConfig:
     decay_style: Literal["cosine", "linear", "WSD", "constant"] = "cosine"
     """Learning-rate decay after warmup."""
     wsd_decay_steps: PositiveInt | None = None
-    """For WSD: steps of the final decay phase (defaults to 10% of training)."""
+    """For WSD: steps of the final decay phase, within the steps after warmup (defaults to 10% of
+    training)."""
     distributed: bool = True
     """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer)."""
 
@@ -720,6 +721,26 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "optimizer.warmup_steps",
             f"{cfg.optimizer.warmup_steps} warmup steps leave no decay within train.steps={t.steps}",
             "use fewer warmup steps than train.steps",
+        )
+    o = cfg.optimizer
+    if o.wsd_decay_steps is not None and o.decay_style != "WSD":
+        raise ConfigError(
+            "optimizer.wsd_decay_steps",
+            f"applies to optimizer.decay_style=WSD only, not {o.decay_style}",
+            "set optimizer.decay_style=WSD or remove optimizer.wsd_decay_steps",
+        )
+    if o.wsd_decay_steps is not None and o.wsd_decay_steps > t.steps - o.warmup_steps:
+        raise ConfigError(
+            "optimizer.wsd_decay_steps",
+            f"{o.wsd_decay_steps} decay steps do not fit after {o.warmup_steps} warmup steps within "
+            f"train.steps={t.steps}",
+            f"use at most {t.steps - o.warmup_steps} decay steps",
+        )
+    if o.min_lr > o.lr:
+        raise ConfigError(
+            "optimizer.min_lr",
+            f"{o.min_lr} exceeds the peak optimizer.lr={o.lr}",
+            "set optimizer.min_lr to at most optimizer.lr",
         )
     c = cfg.checkpoint
     if c.init_from and c.load != "auto":

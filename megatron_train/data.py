@@ -14,6 +14,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_train import megatron_compat
 from megatron_train.config import ExperimentConfig, parse_blend
+from megatron_train.inputs import requested_samples
 from megatron_train.tokenizer import load_tokenizer
 
 
@@ -73,11 +74,8 @@ def build_datasets(
 ) -> tuple[GPTDataset, GPTDataset | None]:
     """The blended train and validation datasets, sized for the whole run; ``progress`` hears
     of each dataset index as it is built or read."""
-    t = cfg.train
-    train_samples = t.steps * t.global_batch_size
-    valid_samples = t.eval_steps * t.global_batch_size if t.eval_interval > 0 else 0
     dataset_config = GPTDatasetConfig(
-        random_seed=t.seed,
+        random_seed=cfg.train.seed,
         sequence_length=cfg.data.seq_length,
         blend=parse_blend(cfg.data.blend),
         split=cfg.data.split,
@@ -90,9 +88,7 @@ def build_datasets(
         # Attention is causal by construction (SDPA is_causal / TE's causal mask type).
         create_attention_mask=False,
     )
-    builder = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, dataset_config
-    )
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, requested_samples(cfg), lambda: True, dataset_config)
     with progress.watching() if progress else contextlib.nullcontext():
         train, valid, _ = builder.build()
     return train, valid

@@ -6,18 +6,22 @@ written."""
 
 from __future__ import annotations
 
+import math
+import os
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
 )
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
-from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir
+from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir, parse_blend
 from megatron_train.errors import ConfigError
 from megatron_train.outputs import check_output_dir
 from megatron_train.text_encoding import tokenizer_loading
@@ -26,6 +30,15 @@ from megatron_train.tokenizer import load_tokenizer
 
 # magic (9 bytes), version (u64), dtype code (u8), sequence count (u64), document count (u64)
 _HEADER = struct.Struct("<9sQBQQ")
+_SPLITS = ("train", "valid", "test")
+# What megatron-core's dataset indices take, in bytes: the document index is kept as int32 (one
+# entry per document and pass) after numpy.mgrid built it as two int64 grids; the sample index
+# holds two int64 per sample and the shuffle index one, at most; a blend adds an int16 and an
+# int64 per sample.
+_DOCUMENT_INDEX_BYTES, _MGRID_BYTES = 4, 16
+_SAMPLE_INDEX_BYTES, _BLEND_INDEX_BYTES = 24, 10
+# A weighted blend asks each of its datasets for this share more samples than its weight gives.
+_BLEND_SURPLUS = GPTDatasetConfig.mid_level_dataset_surplus
 _REPREPROCESS = "preprocess the data again with tools/preprocess_data.py or fix the prefix"
 
 
@@ -75,39 +88,46 @@ def _lengths_and_pointers(idx: Path, sequences: int) -> tuple[np.ndarray, np.nda
     return lengths, pointers
 
 
-def split_tokens(prefix: str, split: str) -> list[int | None]:
-    """The tokens in each split (train, valid, test) of the checked indexed dataset at
-    ``prefix``, cut as megatron's builder cuts it: by sequence, each boundary rounded. None for a
-    split with no share."""
+class SplitSize(NamedTuple):
+    """One split of an indexed dataset as megatron's builder cuts it."""
+
+    sequences: int
+    tokens: int
+
+
+def split_sizes(prefix: str, split: str) -> list[SplitSize | None]:
+    """The sequences and tokens in each split (train, valid, test) of the checked indexed dataset
+    at ``prefix``, cut as megatron's builder cuts it: by sequence, each boundary rounded. None for
+    a split with no share."""
     idx = Path(prefix + ".idx")
     with open(idx, "rb") as f:
         _, _, code, sequences, _ = _HEADER.unpack(f.read(_HEADER.size))
     itemsize = np.dtype(DType.dtype_from_code(code)).itemsize
     lengths, pointers = _lengths_and_pointers(idx, sequences)
-    tokens: list[int | None] = []
+    sizes: list[SplitSize | None] = []
     for bounds in convert_split_vector_to_split_matrix(parse_and_normalize_split(split)):
         if bounds is None:
-            tokens.append(None)
+            sizes.append(None)
             continue
         begin, end = (int(round(b * float(sequences))) for b in bounds)
         if end <= begin:
-            tokens.append(0)
+            sizes.append(SplitSize(0, 0))
             continue
         # The sequences lie in order in the .bin: two pointers give the tokens between them.
-        tokens.append((int(pointers[end - 1]) - int(pointers[begin])) // itemsize + int(lengths[end - 1]))
-    return tokens
+        tokens = (int(pointers[end - 1]) - int(pointers[begin])) // itemsize + int(lengths[end - 1])
+        sizes.append(SplitSize(end - begin, tokens))
+    return sizes
 
 
 def check_splits_hold_a_sample(prefixes: list[str], split: str, seq_length: int) -> None:
     """Every split with a share, of every dataset, holds one sample (``seq_length`` + 1 tokens).
     megatron-core would stop on an assertion for an unweighted blend, and loop forever over an
     empty split of a weighted one."""
-    names = ("train", "valid", "test")
     short = [
-        (prefix, name, tokens)
+        (prefix, name, size.tokens)
         for prefix in prefixes
-        for name, tokens in zip(names, split_tokens(prefix, split), strict=True)
-        if tokens is not None and tokens < seq_length + 1
+        for name, size in zip(_SPLITS, split_sizes(prefix, split), strict=True)
+        if size is not None and size.tokens < seq_length + 1
     ]
     if short:
         prefix, name, tokens = short[0]
@@ -119,6 +139,67 @@ def check_splits_hold_a_sample(prefixes: list[str], split: str, seq_length: int)
             "merge small datasets with tools/merge_datasets.py, leave this one out, or give that split "
             "no share in data.split",
         )
+
+
+def requested_samples(cfg: ExperimentConfig) -> list[int]:
+    """The samples a run asks of its blend, per split (train, valid, test): every step's, and one
+    evaluation's (each evaluation reads the same ones)."""
+    t = cfg.train
+    valid = t.eval_steps * t.global_batch_size if t.eval_interval > 0 else 0
+    return [t.steps * t.global_batch_size, valid, 0]
+
+
+def epochs(samples: int, seq_length: int, tokens: int) -> int:
+    """The passes megatron's GPTDataset makes over a split of ``tokens`` tokens to cut ``samples``
+    samples (each needs one token beyond its sequence)."""
+    return max(1, -(-(samples * seq_length + 1) // tokens))
+
+
+def check_index_memory(cfg: ExperimentConfig) -> None:
+    """The dataset indices megatron-core builds in memory for this run fit this machine's memory.
+
+    A run far longer than its data (``train.steps`` by mistake in the billions) otherwise stops in
+    numpy's allocation after a long loop, or loops for hours counting epochs one at a time.
+    """
+    prefixes, weights = parse_blend(cfg.data.blend)
+    sizes = {prefix: split_sizes(prefix, cfg.data.split) for prefix in prefixes}
+    largest = (0, "", "", 0, 0)
+    resident = transient = 0
+    for split_index, samples in enumerate(requested_samples(cfg)):
+        if samples and len(prefixes) > 1:
+            resident += samples * _BLEND_INDEX_BYTES
+        for i, prefix in enumerate(prefixes):
+            size = sizes[prefix][split_index]
+            if size is None or samples == 0:
+                continue
+            if weights is None and len(prefixes) > 1:
+                wanted = 0  # an unweighted blend makes one pass over each dataset
+            elif weights is None:
+                wanted = samples
+            else:
+                wanted = math.ceil(math.ceil(samples * weights[i] / sum(weights)) * (1 + _BLEND_SURPLUS))
+            passes = epochs(wanted, cfg.data.seq_length, size.tokens)
+            documents = passes * size.sequences
+            resident += documents * _DOCUMENT_INDEX_BYTES + wanted * _SAMPLE_INDEX_BYTES
+            transient = max(transient, documents * _MGRID_BYTES)
+            if documents > largest[0]:
+                largest = (documents, prefix, _SPLITS[split_index], passes, size.tokens)
+    needed, available = resident + transient, _physical_memory()
+    if needed > available:
+        _, prefix, name, passes, tokens = largest
+        key = "train.steps" if name == "train" else "train.eval_steps"
+        steps = cfg.train.steps if name == "train" else cfg.train.eval_steps
+        raise ConfigError(
+            key,
+            f"{steps:,} steps of {cfg.train.global_batch_size} samples need {passes:,} passes over the "
+            f"{name} split of {prefix} ({tokens:,} tokens), whose dataset indices megatron-core builds "
+            f"in memory: {needed / 2**30:,.1f} GiB, more than this machine's {available / 2**30:,.1f} GiB",
+            f"lower {key} or train.global_batch_size, or give the run more data",
+        )
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def checked_tokenizer(kind: str, path: str | None, key: str = "data.tokenizer.path") -> MegatronTokenizerBase:
@@ -150,6 +231,7 @@ def check_inputs(cfg: ExperimentConfig) -> int:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     dtypes = {prefix: check_indexed_dataset(prefix) for prefix in blend_prefixes(cfg.data.blend)}
     check_splits_hold_a_sample(list(dtypes), cfg.data.split, cfg.data.seq_length)
+    check_index_memory(cfg)
     tokenizer = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
     vocab = tokenizer.vocab_size
     if cfg.data.document_mask and tokenizer.eod is None:

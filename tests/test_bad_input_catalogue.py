@@ -204,11 +204,11 @@ def _edit_hf_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
 
 
 def _train(*overrides: str, config: str = "cfg.yaml") -> Callable[[Path], list[str]]:
-    return lambda ws: ["--config", str(ws / config), *[o.replace("WS", str(ws)) for o in overrides]]
+    return lambda ws: ["--config", str(ws / config), *[o.replace("WS/", f"{ws}/") for o in overrides]]
 
 
 def _args(*args: str) -> Callable[[Path], list[str]]:
-    return lambda ws: [a.replace("WS", str(ws)) for a in args]
+    return lambda ws: [a.replace("WS/", f"{ws}/") for a in args]
 
 
 FRESH = "logging.run_dir=WS/cases/fresh_run"  # a run that must not be created by a failed start
@@ -287,6 +287,27 @@ CASES = [
         "train",
         _train("data.reset_position_ids=true", FRESH),
         "data.document_mask is false",
+    ),
+    # train: schedule
+    Case("min-lr-above-lr", "train", _train("optimizer.min_lr=1", FRESH), "exceeds the peak optimizer.lr"),
+    Case("wsd-steps-without-wsd", "train", _train("optimizer.wsd_decay_steps=2", FRESH), "WSD only"),
+    Case(
+        "wsd-steps-beyond-the-run",
+        "train",
+        _train("optimizer.decay_style=WSD", "optimizer.wsd_decay_steps=40", FRESH),
+        "do not fit",
+    ),
+    Case(
+        "steps-beyond-memory",
+        "train",
+        _train("train.steps=1000000000000", FRESH),
+        "dataset indices megatron-core builds in memory",
+    ),
+    Case(
+        "eval-steps-beyond-memory",
+        "train",
+        _train("train.eval_steps=1000000000000", FRESH),
+        "train.eval_steps",
     ),
     # train: data and tokenizer
     Case("blend-odd-pairs", "train", _train("data.blend=[0.5, WS/corpus/stdlib, 0.5]"), "pairs"),

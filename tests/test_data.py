@@ -18,7 +18,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_train import batch, megatron_compat
 from megatron_train.data import IndexProgress, build_datasets, index_count
-from megatron_train.inputs import split_tokens
+from megatron_train.inputs import epochs, split_sizes
 from megatron_train.resolve import load_config
 from megatron_train.tokenizer import load_tokenizer
 from tests.conftest import ROOT, run_tool, torchrun_command, torchrun_env, write_config
@@ -97,10 +97,11 @@ def test_blend_proportions(tmp_path, corpus, tokenizer, single_process_group):
 
 
 @pytest.mark.parametrize("split", ["90,7,3", "98,2,0", "1,1,1"])
-def test_split_tokens_are_the_tokens_of_megatrons_splits(
+def test_split_sizes_are_the_sizes_of_megatrons_splits(
     tmp_path, corpus, tokenizer, single_process_group, split
 ):
-    """One epoch of each split megatron builds holds (tokens - 1) // seq_length samples."""
+    """Each split megatron builds holds the sequences counted, and one pass over it holds
+    (tokens - 1) // seq_length samples."""
     prefix, seq_length = str(corpus["prefix"]), 64
     config = GPTDatasetConfig(
         random_seed=1, sequence_length=seq_length, blend=([prefix], None), split=split,
@@ -108,10 +109,28 @@ def test_split_tokens_are_the_tokens_of_megatrons_splits(
         reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
     )  # fmt: skip
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, [None] * 3, lambda: True, config).build()
-    for tokens, dataset in zip(split_tokens(prefix, split), datasets, strict=True):
-        assert (tokens is None) == (dataset is None)
-        if tokens is not None:
-            assert len(dataset) == (tokens - 1) // seq_length, split
+    for size, dataset in zip(split_sizes(prefix, split), datasets, strict=True):
+        assert (size is None) == (dataset is None)
+        if size is not None:
+            assert len(dataset.indices) == size.sequences, split
+            assert len(dataset) == (size.tokens - 1) // seq_length, split
+
+
+@pytest.mark.parametrize("passes", [1, 3, 40])
+def test_epochs_are_the_passes_megatron_makes(tmp_path, corpus, tokenizer, single_process_group, passes):
+    """The pass count the index-memory check prices is the one megatron's document index holds,
+    at a sample count just past a whole number of passes."""
+    prefix, seq_length = str(corpus["prefix"]), 64
+    train = split_sizes(prefix, "90,10,0")[0]
+    samples = ((passes - 1) * train.tokens) // seq_length + 1
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=seq_length, blend=([prefix], None), split="90,10,0",
+        path_to_cache=str(tmp_path), tokenizer=tokenizer, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+    )  # fmt: skip
+    dataset = BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, config).build()[0]
+    assert epochs(samples, seq_length, train.tokens) == passes
+    assert len(dataset.document_index) == passes * train.sequences
 
 
 def test_index_progress_counts_every_dataset_built_then_read_from_the_cache(
