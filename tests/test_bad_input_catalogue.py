@@ -736,6 +736,27 @@ CASES = [
         _args("--ckpt", f"WS/{CKPT}", "--prompt-ids", "1,999999"),
         "--prompt-ids",
     ),
+    Case(
+        "generate-beyond-positions",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt-ids", "1,2", "--max-new-tokens", "1000"),
+        "max_position_embeddings",
+    ),
+    Case(
+        "generate-prompt-beyond-positions",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt", "def f(): pass " * 100),
+        "leaves no room",
+    ),
+    Case(
+        "generate-prompt-and-ids",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt", "def", "--prompt-ids", "1"),
+        "not allowed with",
+    ),
+    Case(
+        "generate-empty-prompt-ids", "generate", _args("--ckpt", f"WS/{CKPT}", "--prompt-ids", ""), "integers"
+    ),
     Case("generate-tp-3", "generate", _args("--ckpt", f"WS/{CKPT}", "--tp", "3"), "parallel.tensor"),
     Case(
         "generate-tp-2-on-one-rank", "generate", _args("--ckpt", f"WS/{CKPT}", "--tp", "2"), "launched rank"

@@ -48,11 +48,31 @@ def prompt_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def check_length(prompt: int, new: int, positions: int, prompt_key: str) -> None:
+    """The prompt and the new tokens fit the model's positions (as Megatron-LM's generation
+    requires); the loop recomputes the whole sequence per token, so more would also take hours."""
+    if prompt >= positions:
+        raise ConfigError(
+            prompt_key,
+            f"the prompt is {prompt} tokens: the model's max_position_embeddings={positions} leaves no room "
+            "for a new one",
+            f"shorten it to at most {positions - 1} tokens",
+        )
+    if prompt + new > positions:
+        raise ConfigError(
+            "--max-new-tokens",
+            f"{new} new tokens after the prompt's {prompt} exceed the model's "
+            f"max_position_embeddings={positions}",
+            f"ask for at most {positions - prompt}",
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir or save dir)")
-    parser.add_argument("--prompt", default="", help="text to continue")
-    parser.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue (empty: from the BOS token)")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=32)
     parser.add_argument("--top-p", type=cli.probability, help="nucleus sampling threshold (default: greedy)")
     parser.add_argument("--temperature", type=cli.positive_float, default=1.0)
@@ -71,12 +91,14 @@ def generate(args: argparse.Namespace) -> None:
 
     path, cfg = inference.checkpoint_config(args.ckpt, args.tp, args.pp)
     tokenizer = None
-    if args.prompt_ids:
+    if args.prompt_ids is not None:
         ids = prompt_ids(args.prompt_ids, cfg.model.vocab_size)
     else:
         tok_path = args.tokenizer or cfg.data.tokenizer.path
         tokenizer = checked_tokenizer(cfg.data.tokenizer.type, tok_path, key="--tokenizer")
         ids = list(tokenizer.tokenize(args.prompt)) or [tokenizer.bos if tokenizer.bos is not None else 0]
+    prompt_key = "--prompt" if args.prompt_ids is None else "--prompt-ids"
+    check_length(len(ids), args.max_new_tokens, cfg.model.max_position_embeddings, prompt_key)
     env = runtime.launch_env()
     if args.tp * args.pp != env.world_size:
         raise ConfigError(
