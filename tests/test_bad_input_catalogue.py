@@ -167,6 +167,14 @@ def _small_data(docs: int, tokens: int) -> Callable[[Path, str], None]:
     return setup
 
 
+def _bigger_tokenizer(ws: Path, case_id: str) -> None:
+    """A SentencePiece model with more tokens than the trained run's vocabulary."""
+    d = _case(ws, case_id)
+    d.mkdir(parents=True)
+    argv = ["--input", str(ws / "corpus" / "stdlib.jsonl"), "--output-prefix", str(d / "spm")]
+    assert _tool("tools/train_tokenizer.py")([*argv, "--vocab-size", "1200", "--max-sentences", "4000"]) == 0
+
+
 def _truncate(suffix: str, keep: int) -> Callable[[Path], None]:
     def damage(prefix: Path) -> None:
         path = prefix.with_suffix(suffix)
@@ -701,6 +709,29 @@ CASES = [
         "convert",
         _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--tokenizer", "WS/nothing"),
         "tokenizer",
+    ),
+    Case(
+        "export-hf-tokenizer-garbage",
+        "convert",
+        _args(
+            "export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--tokenizer", "WS/corpus/stdlib.idx"
+        ),
+        "does not load as the run's sentencepiece tokenizer",
+    ),
+    Case(
+        "export-hf-tokenizer-too-big",
+        "convert",
+        _args(
+            "export-hf",
+            "--ckpt",
+            f"WS/{CKPT}",
+            "--out",
+            "WS/cases/o",
+            "--tokenizer",
+            "WS/cases/export-hf-tokenizer-too-big/spm.model",
+        ),
+        "it is not the run's",
+        _bigger_tokenizer,
     ),
     Case(
         "export-hf-common-garbage",

@@ -195,6 +195,11 @@ def _hf_side(
     model = from_dict(ModelConfig, common["config"]["model"])
     dtype = dtype or torch.bfloat16
     tokenizer = _export_tokenizer(common["config"]["data"]["tokenizer"], tokenizer_path, out)
+    if len(tokenizer) > model.vocab_size:
+        raise ConversionError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model.vocab_size}: "
+            "it is not the run's; pass --tokenizer with the one the run trained with"
+        )
     # transformers' defaults (bos 1, eos 2) are not our tokenizer's: generation must stop at its eos.
     special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
     config = family_of(model).hf_config(model, dtype, special)
@@ -213,18 +218,25 @@ def _export_tokenizer(tokenizer: dict, path: Path | None, out: Path):
             f"the run's tokenizer {str(path)!r} (data.tokenizer.path in its config) does not exist; "
             "pass --tokenizer with where it is now"
         )
-    if tokenizer["type"] == "huggingface":
-        hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    else:
-        import sentencepiece
+    try:
+        if tokenizer["type"] == "huggingface":
+            hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        else:
+            import sentencepiece
 
-        # transformers converts a SentencePiece model it finds as tokenizer.model in a directory;
-        # whether words get a leading "▁" must follow the model's own add_dummy_prefix setting.
-        pieces = sentencepiece.SentencePieceProcessor(model_file=str(path)).encode("x", out_type=str)
-        shutil.copy2(path, out / "tokenizer.model")
-        hf_tokenizer = transformers.LlamaTokenizer.from_pretrained(
-            str(out), add_prefix_space=pieces[0].startswith("\u2581")
-        )
+            # transformers converts a SentencePiece model it finds as tokenizer.model in a directory;
+            # whether words get a leading "▁" must follow the model's own add_dummy_prefix setting.
+            pieces = sentencepiece.SentencePieceProcessor(model_file=str(path)).encode("x", out_type=str)
+            shutil.copy2(path, out / "tokenizer.model")
+            hf_tokenizer = transformers.LlamaTokenizer.from_pretrained(
+                str(out), add_prefix_space=pieces[0].startswith("\u2581")
+            )
+    except Exception as err:  # sentencepiece and transformers raise many kinds
+        reason = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ConversionError(
+            f"{path} does not load as the run's {tokenizer['type']} tokenizer ({reason}); "
+            "pass --tokenizer with the one the run trained with"
+        ) from err
     hf_tokenizer.save_pretrained(str(out))
     return hf_tokenizer
 
