@@ -140,6 +140,8 @@ def main() -> int:
             ours_prefix, theirs_prefix = (Path(scratch) / f"{who}-{workers}" for who in ("ours", "theirs"))
             runs: dict[str, list[tuple[float, int]]] = {"ours": [], "theirs": []}
             for _ in range(args.repeats):
+                for suffix in (".bin", ".idx"):  # our tool never writes over an earlier dataset
+                    Path(f"{ours_prefix}{suffix}").unlink(missing_ok=True)
                 runs["ours"].append(timed(ours_command(args, workers, ours_prefix), ROOT))
                 if args.megatron_lm:
                     command = megatron_lm_command(args, workers, theirs_prefix)

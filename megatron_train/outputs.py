@@ -1,5 +1,6 @@
 """Outputs appear whole or not at all: output locations are checked before anything is written,
-a failed tool run leaves no folder it created behind, and a dataset appears only once complete."""
+an earlier output is never replaced, a failed tool run leaves no folder it created behind, and a
+dataset appears only once complete."""
 
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ def dataset_files(prefix: Path) -> Iterator[tuple[Path, Path]]:
     finally:
         tmp_bin.unlink(missing_ok=True)
         tmp_idx.unlink(missing_ok=True)
+
+
+def check_new_files(key: str, prefix: Path, suffixes: tuple[str, ...]) -> None:
+    """No ``prefix`` + suffix file exists yet: a dataset or tokenizer that took hours to make is
+    not replaced by a mistyped prefix."""
+    existing = [f"{prefix}{suffix}" for suffix in suffixes if Path(f"{prefix}{suffix}").exists()]
+    if existing:
+        raise ConfigError(
+            key, f"{existing[0]} already exists", f"choose another {key} or remove the old files first"
+        )
 
 
 def check_output_dir(key: str, path: Path) -> None:

@@ -42,6 +42,7 @@ def _entry(name: str) -> Callable[[list[str]], int]:
                 "generate": "tools/generate.py",
                 "inspect": "tools/inspect_checkpoint.py",
                 "preprocess": "tools/preprocess_data.py",
+                "merge": "tools/merge_datasets.py",
                 "tokenizer": "tools/train_tokenizer.py",
             }[name]
         )
@@ -1014,8 +1015,45 @@ CASES = [
             "--vocab-size",
             "5000",
         ),
-        "--vocab-size",
+        "already exists",
         _write("in.txt", "two\nlines\n"),
+    ),
+    Case(
+        "preprocess-output-exists",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/corpus/stdlib",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "stdlib.bin already exists",
+    ),
+    Case(
+        "merge-input-missing",
+        "merge",
+        _args("--input", "WS/nothing", "--output-prefix", "WS/cases/m"),
+        "nothing.bin",
+    ),
+    Case(
+        "merge-dir-without-datasets",
+        "merge",
+        _args("--input", "WS/run", "--output-prefix", "WS/cases/m"),
+        "holds no",
+    ),
+    Case(
+        "merge-output-under-file",
+        "merge",
+        _args("--input", "WS/corpus/stdlib", "--output-prefix", "WS/corpus/spm.model/m"),
+        "is a file",
+    ),
+    Case(
+        "merge-onto-its-input",
+        "merge",
+        _args("--input", "WS/corpus/stdlib", "--output-prefix", "WS/corpus/stdlib"),
+        "already exists",
     ),
 ]
 
@@ -1024,7 +1062,7 @@ def test_the_catalogue_is_large_and_distinct():
     assert len(CASES) >= 60
     assert len({c.id for c in CASES}) == len(CASES)
     assert {c.entry for c in CASES} == {"train", "preflight", "submit", "convert", "generate", "inspect",
-                                        "preprocess", "tokenizer"}  # fmt: skip
+                                        "preprocess", "merge", "tokenizer"}  # fmt: skip
 
 
 @pytest.mark.slow

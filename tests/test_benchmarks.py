@@ -28,7 +28,7 @@ def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework():
 def test_preprocess_benchmark_prints_our_row(corpus):
     result = subprocess.run(
         [sys.executable, "benchmarks/preprocess_throughput.py", "--input", str(corpus["jsonl"]),
-         "--tokenizer", str(corpus["tokenizer"]), "--workers", "1", "--repeats", "1"],
+         "--tokenizer", str(corpus["tokenizer"]), "--workers", "1", "--repeats", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,9 +13,10 @@ document is followed by the tokenizer's end-of-document token (EOD, the id megat
 tokenizer calls ``eod``) and written in megatron-core's indexed dataset format, one sequence per
 document.
 
-``--output-prefix`` writes one dataset. ``--output-dir`` writes one per input file (named after
-its path below the inputs' common folder), several files at a time; a run that stops or fails
-keeps the datasets it finished, and running it again writes only the missing ones.
+``--output-prefix`` writes one dataset, never over an existing one. ``--output-dir`` writes one
+per input file (named after its path below the inputs' common folder), several files at a time; a
+run that stops or fails keeps the datasets it finished, and running it again writes only the
+missing ones.
 ``tools/merge_datasets.py`` joins them into one. A dataset appears only when complete (written
 under temporary names, the .idx renamed last); a failed dataset leaves nothing behind. Exit codes:
 0 done, 2 bad input.
@@ -39,7 +40,7 @@ from tqdm import tqdm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_output_dir, dataset_files, made_dir
+from megatron_train.outputs import check_new_files, check_output_dir, dataset_files, made_dir
 from megatron_train.text_encoding import Encode, text_encoder
 from megatron_train.text_sources import SUFFIXES, input_files, read_texts
 from megatron_train.token_writer import TokenWriter, token_dtype
@@ -90,9 +91,11 @@ class Job:
 
 def preprocess(args: argparse.Namespace) -> None:
     out = Path(args.output_dir or args.output_prefix)
-    check_output_dir(
-        "--output-dir" if args.output_dir else "--output-prefix", out if args.output_dir else out.parent
-    )
+    if args.output_dir:
+        check_output_dir("--output-dir", out)
+    else:
+        check_output_dir("--output-prefix", out.parent)
+        check_new_files("--output-prefix", out, (".bin", ".idx"))
     tokenizer = text_encoder(args.tokenizer_type, args.tokenizer, args.workers, key="--tokenizer")
     files = input_files(args.input)
     job = Job(

@@ -7,7 +7,7 @@ Input as for preprocess_data.py: files, glob patterns and directories of jsonl (
 
 The model is lossless on any text (identity normalisation, whitespace kept, byte fallback), so
 decode(encode(text)) == text, which code and multilingual data need. Exit codes: 0 done, 2 bad
-input (an existing model under the prefix is left as it was).
+input, or a model already under the prefix (it is never replaced).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sentencepiece as spm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_output_dir, made_dir
+from megatron_train.outputs import check_new_files, check_output_dir, made_dir
 from megatron_train.text_sources import input_files, iter_texts
 
 # SentencePiece rejects longer "sentences"; documents are fed in pieces of at most this size.
@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: argparse.Namespace) -> None:
     out = Path(args.output_prefix)
     check_output_dir("--output-prefix", out.parent)
+    check_new_files("--output-prefix", out, (".model", ".vocab"))
     texts = iter_texts(input_files(args.input), args.text_key)
     first = next(texts, None)
     if first is None:
