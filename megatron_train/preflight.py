@@ -21,7 +21,7 @@ from megatron_train.resolve import resolve
 def check_resume(cfg: ExperimentConfig) -> str:
     """The checkpoint a job would resume from is complete and was trained with the same model."""
     from megatron_train.checkpoint import files
-    from megatron_train.checkpoint.state import read_common
+    from megatron_train.checkpoint.state import check_same_optimizer, read_common
 
     try:
         decision = files.resolve_load(cfg.checkpoint.load, checkpoint_dir(cfg))
@@ -33,7 +33,10 @@ def check_resume(cfg: ExperimentConfig) -> str:
         return f"starts from checkpoint.init_from={cfg.checkpoint.init_from}"
     if decision.path is None:
         return "starts fresh (" + "; ".join(decision.notes) + ")"
-    saved = read_common(decision.path)["config"]["model"]
+    common = read_common(decision.path)
+    if not (cfg.checkpoint.finetune or common.get("weights_only")):
+        check_same_optimizer(decision.path, common, cfg.optimizer.distributed)
+    saved = common["config"]["model"]
     ours = vars(cfg.model)
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "vocab_size", "vocab_pad_multiple", "tie_embeddings", "qkv_bias"):  # fmt: skip

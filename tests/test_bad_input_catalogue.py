@@ -442,6 +442,20 @@ CASES = [
         _train(FRESH, "model.tie_embeddings=true", f"checkpoint.load=WS/{CKPT}", "checkpoint.finetune=true"),
         "output_layer",
     ),
+    Case(
+        "resume-with-the-other-optimizer",
+        "train",
+        _train("optimizer.distributed=false", "train.steps=6"),
+        "optimizer.distributed=true",
+    ),
+    Case(
+        "preflight-resume-with-the-other-optimizer",
+        "preflight",
+        _args(
+            "--config", "WS/cfg.yaml", "--gpus-per-node", "1", "optimizer.distributed=false", "train.steps=6"
+        ),
+        "optimizer.distributed=true",
+    ),
     Case("load-missing", "train", _train(FRESH, "checkpoint.load=WS/nothing"), "does not exist"),
     Case(
         "load-torn",

@@ -35,6 +35,7 @@ from megatron_train.checkpoint.state import (
     Layout,
     Progress,
     check_architecture,
+    check_same_optimizer,
     full_state,
     load_model,
     load_optimizer,
@@ -303,6 +304,7 @@ class Checkpointer:
             optimizer.reload_model_params()
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
             return Progress(iteration=0, consumed_samples=0)
+        check_same_optimizer(path, common, self.cfg.optimizer.distributed)
         saved, now = Layout(**common["layout"]), Layout.current(moe=self.cfg.model.num_experts is not None)
         fmt = optimizer_format(common)
         if fmt == "dp_reshardable" and not saved.same_model_split(now):

@@ -144,6 +144,17 @@ def optimizer_format(common: dict) -> str:
     return common.get("optimizer_format", _FORMAT_BEFORE_RECORDING)
 
 
+def check_same_optimizer(path: Path, common: dict, distributed: bool) -> None:
+    """The checkpoint's optimizer state was saved by the optimizer kind resuming it: megatron-core's
+    plain and distributed optimizers cannot read each other's (a KeyError deep in the load)."""
+    saved = common["config"]["optimizer"].get("distributed", True)
+    if saved != distributed:
+        raise CheckpointError(
+            f"{path} holds the optimizer state of optimizer.distributed={str(saved).lower()}: resume "
+            "with that setting, or set checkpoint.finetune=true to take only its weights"
+        )
+
+
 def _corrupt(what: Path, err: BaseException) -> CheckpointError:
     reason = " ".join(str(err).split())[:300] or type(err).__name__
     return CheckpointError(
