@@ -21,7 +21,7 @@ from megatron_train.resolve import resolve
 def check_resume(cfg: ExperimentConfig) -> str:
     """The checkpoint a job would resume from is complete and was trained with the same model."""
     from megatron_train.checkpoint import files
-    from megatron_train.checkpoint.state import check_same_optimizer, read_common
+    from megatron_train.checkpoint.state import check_same_optimizer, check_within_steps, read_common
 
     try:
         decision = files.resolve_load(cfg.checkpoint.load, checkpoint_dir(cfg))
@@ -34,6 +34,9 @@ def check_resume(cfg: ExperimentConfig) -> str:
     if decision.path is None:
         return "starts fresh (" + "; ".join(decision.notes) + ")"
     common = read_common(decision.path)
+    iteration = files.iteration_of(decision.path)
+    if iteration is not None and not cfg.checkpoint.finetune:
+        check_within_steps(decision.path, iteration, cfg.train.steps)
     if not (cfg.checkpoint.finetune or common.get("weights_only")):
         check_same_optimizer(decision.path, common, cfg.optimizer.distributed)
     saved = common["config"]["model"]

@@ -60,7 +60,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     from megatron.core import parallel_state
 
     from megatron_train import warm_start
-    from megatron_train.checkpoint.state import Progress
+    from megatron_train.checkpoint.state import Progress, check_within_steps
     from megatron_train.data import IndexProgress, batch_iterator, build_datasets, index_count
     from megatron_train.evaluation import Evaluator
     from megatron_train.model import build_model, layer_implementation
@@ -74,6 +74,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     progress = Progress(iteration=0, consumed_samples=0)
     if resume_from is not None:
         progress = checkpointer.load(resume_from, model, optimizer, scheduler)
+        check_within_steps(resume_from, progress.iteration, cfg.train.steps)
     elif start_from is not None:
         warm_start.load(start_from, cfg, model, optimizer, log.info)
     # Only now, with every input checked, does the run directory change.

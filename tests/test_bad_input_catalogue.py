@@ -456,6 +456,13 @@ CASES = [
         ),
         "optimizer.distributed=true",
     ),
+    Case("steps-below-the-checkpoint", "train", _train("train.steps=3"), "already at step 4"),
+    Case(
+        "preflight-steps-below-the-checkpoint",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "train.steps=3"),
+        "already at step 4",
+    ),
     Case("load-missing", "train", _train(FRESH, "checkpoint.load=WS/nothing"), "does not exist"),
     Case(
         "load-torn",

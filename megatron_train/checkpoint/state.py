@@ -27,6 +27,7 @@ from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.config import ExperimentConfig, to_dict
+from megatron_train.errors import ConfigError
 
 # What checkpoints written before the format was recorded hold.
 _FORMAT_BEFORE_RECORDING = "fully_reshardable"
@@ -152,6 +153,17 @@ def check_same_optimizer(path: Path, common: dict, distributed: bool) -> None:
         raise CheckpointError(
             f"{path} holds the optimizer state of optimizer.distributed={str(saved).lower()}: resume "
             "with that setting, or set checkpoint.finetune=true to take only its weights"
+        )
+
+
+def check_within_steps(path: Path, iteration: int, steps: int) -> None:
+    """A resumed run has steps left, or has just finished them (a requeued finished job is done);
+    a checkpoint past ``train.steps`` would otherwise end the run at once, saying "done"."""
+    if iteration > steps:
+        raise ConfigError(
+            "train.steps",
+            f"is {steps}, but {path} is already at step {iteration}",
+            "raise train.steps to train on from there, or start a new run in another logging.run_dir",
         )
 
 
