@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 from megatron_train import cli
+from megatron_train.errors import ConfigError
+from megatron_train.outputs import check_output_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH_SCRIPT = ROOT / "launch" / "slurm" / "pretrain.sbatch"
@@ -31,6 +33,22 @@ def slurm_time(text: str) -> str:
     if not _SLURM_TIME.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a Slurm time such as 24:00:00 or 2-00:00:00")
     return text
+
+
+def slurm_seconds(text: str) -> int | None:
+    """The seconds a Slurm time names; None for no limit (0, UNLIMITED, infinite)."""
+    if text in ("UNLIMITED", "infinite"):
+        return None
+    days, _, clock = text.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # HH:MM:SS
+        hours, minutes, seconds = parts
+    else:  # MM, MM:SS
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    total = ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+    return total or None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -97,8 +115,26 @@ def job_environment(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What sbatch would take but the job could not use."""
+    limit = slurm_seconds(args.time)
+    if limit is not None and args.signal_seconds >= limit:
+        raise ConfigError(
+            "--signal-seconds",
+            f"{args.signal_seconds} s is not shorter than --time {args.time} ({limit} s): the job would "
+            "be told to save and requeue as it starts",
+            "give a longer --time or fewer --signal-seconds",
+        )
+    check_output_dir("--log-dir", Path(args.log_dir))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        check_args(args)
+    except ConfigError as err:
+        cli.report(f"{err}. Nothing was submitted.")
+        return cli.EXIT_BAD_INPUT
     if not args.skip_preflight:
         preflight = [sys.executable, "-m", "megatron_train.preflight", "--config", args.config,
                      "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
@@ -115,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 if errors
                 else checked.stderr.strip() or "the preflight failed"
             )
-            cli.report(f"{why} Nothing was submitted.")
+            cli.report(f"{why.rstrip('.')}. Nothing was submitted.")
             return cli.EXIT_BAD_INPUT
         sys.stderr.write(checked.stderr)
     cmd = sbatch_command(args)

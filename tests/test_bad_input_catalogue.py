@@ -619,6 +619,18 @@ CASES = [
         "--signal-seconds",
     ),
     Case(
+        "submit-signal-after-the-limit",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--time", "00:04:00", "--signal-seconds", "300", "--dry-run"),
+        "not shorter than --time",
+    ),
+    Case(
+        "submit-log-dir-under-file",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--log-dir", "WS/corpus/spm.model/logs", "--dry-run"),
+        "'--log-dir'",
+    ),
+    Case(
         "submit-nodes-0", "submit", _args("--config", "WS/cfg.yaml", "--nodes", "0", "--dry-run"), "--nodes"
     ),
     Case(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, records, write_config
+from tests.conftest import ROOT, load_tool, records, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -200,3 +200,13 @@ def test_submit_refuses_a_bad_config_without_queueing(slurm, corpus, tmp_path):
 
 def test_sbatch_script_is_valid_bash():
     assert _run("bash", "-n", str(ROOT / "launch" / "slurm" / "pretrain.sbatch")).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("60", 3600), ("30:00", 1800), ("5:30", 330), ("24:00:00", 86400), ("2-12", 216000),
+     ("1-02:03", 93780), ("2-00:00:05", 172805), ("0", None), ("UNLIMITED", None)],
+)  # fmt: skip
+def test_slurm_times_are_read_as_sbatch_reads_them(text, seconds):
+    """sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; 0 is no limit."""
+    assert load_tool("launch/submit.py").slurm_seconds(text) == seconds
