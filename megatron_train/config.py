@@ -537,6 +537,24 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one,
+    so a second ``model:`` section would silently replace the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = []
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor`` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.append(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict:
     """A YAML config file as plain data."""
     path = Path(path)
@@ -544,7 +562,7 @@ def read_yaml(path: str | Path) -> dict:
         problem = "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError("--config", f"{str(path)!r} {problem}", "pass an existing YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -818,6 +836,17 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
 
 def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
+    unused = {"selective": ("recompute_method", "recompute_num_layers"), "full": ("recompute_modules",)}.get(
+        m.recompute, ("recompute_modules", "recompute_method", "recompute_num_layers")
+    )
+    changed = [k for k in unused if getattr(m, k) != getattr(ModelConfig(), k)]
+    if changed:
+        raise ConfigError(
+            f"model.{changed[0]}",
+            f"has no effect with model.recompute={m.recompute}",
+            "set model.recompute to the kind it applies to (modules: selective; method and layers: "
+            "full) or remove it",
+        )
     if m.recompute == "selective":
         modules = m.recompute_modules
         bad = [x for x in modules if x not in RECOMPUTE_MODULES]

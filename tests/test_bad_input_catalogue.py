@@ -254,7 +254,20 @@ CASES = [
         "cannot be read",
         _write("c.yaml", b"\xff\xfe\x00model"),
     ),
+    Case(
+        "config-key-twice",
+        "train",
+        _train(config="cases/config-key-twice/c.yaml"),
+        "key 'model' is given twice",
+        _write("c.yaml", "model: {preset: tiny}\ntrain: {steps: 2}\nmodel: {preset: small}\n"),
+    ),
     Case("override-no-equals", "train", _train("train.steps"), "key.sub=value"),
+    Case(
+        "recompute-modules-without-selective",
+        "train",
+        _train("model.recompute_modules=[mlp]", FRESH),
+        "no effect with model.recompute=none",
+    ),
     Case("override-into-scalar", "train", _train("train.steps.x=1"), "'train.steps'"),
     Case("override-unknown-section", "train", _train("trian.steps=1"), "did you mean"),
     # train: mixture of experts
