@@ -1039,6 +1039,19 @@ CASES = [
         _write("in.txt", "a small text\nof two lines\n"),
     ),
     Case(
+        "tokenizer-vocab-beyond-int32",
+        "tokenizer",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/t",
+            "--vocab-size",
+            "99999999999",
+        ),
+        "--vocab-size",
+    ),
+    Case(
         "tokenizer-vocab-0",
         "tokenizer",
         _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/t/spm", "--vocab-size", "0"),

@@ -108,7 +108,9 @@ def _train(texts: Iterator[str], args: argparse.Namespace, prefix: Path) -> None
             num_threads=2,
             minloglevel=2,
         )  # fmt: skip
-    except RuntimeError as err:  # SentencePiece's only error type: the text cannot give this vocabulary
+    # SentencePiece raises RuntimeError when the text cannot give this vocabulary, and ValueError
+    # for a size beyond its int32.
+    except (RuntimeError, ValueError) as err:
         if pieces.failure is None:
             reason = " ".join(str(err).split())
             raise ConfigError(
