@@ -11,4 +11,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # One CUDA work queue per device keeps megatron's TP / sequence-parallel communication ordered
 # with the compute it overlaps (Megatron-LM requires it); pretrain.sbatch sets it too.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-exec torchrun --standalone --nproc-per-node "$NPROC" -m megatron_train.train "$@"
+# torchrun, ending with the ranks' own exit code (2 bad input, 3 stopped after saving).
+exec python -m megatron_train.torchrun --standalone --nproc-per-node "$NPROC" -m megatron_train.train "$@"

@@ -28,7 +28,7 @@ LAYERS = [
     ["data", "batch", "step", "metrics", "stopping", "evaluation"],
     ["checkpoint.state", "checkpoint.policy", "checkpoint.streaming_save", "checkpoint.manager"],
     ["hf.convert", "inference", "warm_start"],
-    ["train", "preflight", "cli"],
+    ["train", "preflight", "cli", "torchrun"],
 ]  # fmt: skip
 
 

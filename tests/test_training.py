@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import records, torchrun, train_losses, write_config
+from tests.conftest import ROOT, records, torchrun, torchrun_env, train_losses, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -104,3 +107,25 @@ def test_nan_loss_stops_with_the_step(tmp_path, corpus):
     result = torchrun(1, config, "optimizer.clip_grad=0")
     assert result.returncode != 0
     assert "is not finite" in result.stderr and "step " in result.stderr
+
+
+def test_the_local_launcher_ends_with_the_ranks_own_exit_code(tmp_path, corpus):
+    """launch/local.sh: a bad config on two ranks is their one error line and exit 2, not
+    torchrun's traceback and exit 1; a run stopped after its save exits 3."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400})
+    env = {**torchrun_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def local(*overrides: str) -> subprocess.CompletedProcess:
+        command = ["bash", "launch/local.sh", "2", "--config", str(config), *overrides]
+        return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    bad = local("data.blend=[/nowhere/data]")
+    assert bad.returncode == 2, bad.stderr[-3000:]
+    assert "Traceback" not in bad.stderr
+    assert [line for line in bad.stderr.splitlines() if line.strip()] == [
+        "error: config error at 'data.blend': /nowhere/data.bin does not exist. Fix: preprocess the data "
+        "again with tools/preprocess_data.py or fix the prefix"
+    ]
+    stopped = local("train.exit_after_minutes=0.001")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert "stopped early (checkpoint saved)" in stopped.stdout
