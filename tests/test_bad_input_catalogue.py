@@ -781,6 +781,12 @@ CASES = [
         _bigger_tokenizer,
     ),
     Case(
+        "export-hf-into-the-checkpoint",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", f"WS/{CKPT}/hf"),
+        "is inside the checkpoint",
+    ),
+    Case(
         "export-hf-common-garbage",
         "convert",
         _args("export-hf", "--ckpt", "WS/cases/export-hf-common-garbage/ckpt", "--out", "WS/cases/o"),
@@ -834,6 +840,13 @@ CASES = [
     ),
     Case(
         "generate-empty-prompt-ids", "generate", _args("--ckpt", f"WS/{CKPT}", "--prompt-ids", ""), "integers"
+    ),
+    Case(
+        "generate-tokenizer-too-big",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--tokenizer", "WS/cases/generate-tokenizer-too-big/spm.model"),
+        "more than the model's",
+        _bigger_tokenizer,
     ),
     Case("generate-tp-3", "generate", _args("--ckpt", f"WS/{CKPT}", "--tp", "3"), "parallel.tensor"),
     Case(

@@ -96,6 +96,13 @@ def generate(args: argparse.Namespace) -> None:
     else:
         tok_path = args.tokenizer or cfg.data.tokenizer.path
         tokenizer = checked_tokenizer(cfg.data.tokenizer.type, tok_path, key="--tokenizer")
+        if tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                "--tokenizer",
+                f"{tok_path} has {tokenizer.vocab_size} tokens, more than the model's "
+                f"{cfg.model.vocab_size}: it is not the tokenizer the model was trained with",
+                "pass the run's tokenizer",
+            )
         ids = list(tokenizer.tokenize(args.prompt)) or [tokenizer.bos if tokenizer.bos is not None else 0]
     prompt_key = "--prompt" if args.prompt_ids is None else "--prompt-ids"
     check_length(len(ids), args.max_new_tokens, cfg.model.max_position_embeddings, prompt_key)

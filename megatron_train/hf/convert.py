@@ -246,6 +246,9 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
     """Write a checkpoint as a transformers model directory ``out``; returns ``out``. ``tokenizer``
     replaces the path a trained run's config names (imported checkpoints carry their own)."""
     path = files.resolve_explicit(Path(ckpt))
+    if Path(out).absolute().resolve().is_relative_to(path.absolute().resolve()):
+        # Inside it, the export would change the checkpoint (an hf/ folder marks an imported one).
+        raise ConversionError(f"--out {out} is inside the checkpoint {path}; choose a folder outside it")
     common = read_common(path)
     m = from_dict(ModelConfig, common["config"]["model"])
     family = family_of(m)
