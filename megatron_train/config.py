@@ -58,10 +58,12 @@ class Check:
 
 
 def split_parts(text: str) -> bool:
-    """Whether ``text`` is a train/valid/test split in parts: up to three non-negative numbers
-    separated by ``,`` or ``/`` with a positive train part (megatron's own parser reads any digit
-    run and asserts on the rest)."""
-    parts = re.split(r"[,/]", text)
+    """Whether ``text`` is a train/valid/test split in parts: up to three non-negative decimal
+    numbers separated by ``,`` or ``/`` with a positive train part (megatron's own parser reads
+    each run of digits and dots as a number, so ``1e2`` would be two, and asserts on the rest)."""
+    parts = [part.strip() for part in re.split(r"[,/]", text)]
+    if not all(re.fullmatch(r"[.0-9]+", part) for part in parts):
+        return False
     try:
         numbers = [float(x) for x in parts]
     except ValueError:

@@ -359,6 +359,9 @@ CASES = [
     # megatron-core asserts on an unweighted blend with a split too short for a sample, and loops
     # forever over a weighted blend's empty split
     Case(
+        "split-in-exponent-notation", "train", _train("data.split=1e2,0,0", FRESH), "'1e2,0,0' is not valid"
+    ),
+    Case(
         "split-without-a-sample",
         "train",
         _train("data.blend=[WS/cases/split-without-a-sample/data]"),
