@@ -107,9 +107,10 @@ class ModelConfig:
     """Longest sequence the model supports; data.seq_length may not exceed it."""
     vocab_size: PositiveInt | None = None
     """Vocabulary size; None takes it from the tokenizer."""
-    vocab_pad_multiple: PositiveInt = 128
+    vocab_pad_multiple: Annotated[int, Range(1, 65536)] = 128
     """The embedding is padded to a multiple of this (independent of TP, so checkpoints
-    reshard across TP sizes); it must also be divisible by parallel.tensor."""
+    reshard across TP sizes); it must also be divisible by parallel.tensor. Megatron-LM's
+    default is 128; more than 65536 rows of padding is a mistake."""
     norm_eps: PositiveFloat = 1e-5
     """RMSNorm epsilon."""
     rotary_base: PositiveInt = 10000

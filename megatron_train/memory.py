@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 
+import torch
+
 from megatron_train.config import ExperimentConfig, data_parallel_size
+from megatron_train.errors import ConfigError
 from megatron_train.models.registry import family_of
 
 
@@ -185,3 +189,31 @@ def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) 
         if len(found) == 3:
             return found
     return found
+
+
+def check_fits_this_node(cfg: ExperimentConfig, world_size: int, local_ranks: int) -> None:
+    """The estimate fits the memory each rank has: on CPU the whole estimate against an equal
+    share of this machine's memory, on GPU the weights, gradients and optimizer state (what stays
+    resident whatever the schedule does) against the device's. A ConfigError names layouts that
+    fit; otherwise the first allocation that fails stops the run with a traceback, or the kernel
+    kills it."""
+    on_gpu = torch.cuda.is_available()
+    mem = estimate(cfg, world_size, on_gpu)
+    if on_gpu:
+        device = torch.cuda.get_device_properties(torch.cuda.current_device())
+        needed, limit = mem.total - mem.activations, device.total_memory
+        what, where = "weights, gradients and optimizer state", f"{device.name}'s memory"
+    else:
+        needed, memory = mem.total, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        limit = memory / max(1, local_ranks)
+        what, where = "everything", f"this machine's {memory / 2**30:,.1f} GiB over {local_ranks} rank(s)"
+    if needed > limit:
+        fits = fitting_layouts(cfg, world_size, limit)
+        raise ConfigError(
+            "parallel",
+            f"the estimate is {needed / 2**30:,.1f} GiB per rank ({what}, {mem.stage} stage), more than "
+            f"the {limit / 2**30:,.1f} GiB each rank has ({where})",
+            ("use one of: " + " | ".join(fits))
+            if fits
+            else "use more ranks, recompute, a smaller micro batch or a smaller model",
+        )

@@ -26,15 +26,21 @@ class LaunchEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int = 1
+    """The ranks on this node."""
 
 
 def launch_env() -> LaunchEnv:
     """This process's rank from torchrun (RANK...) or srun (SLURM_PROCID...); else one process."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+        local = int(env.get("LOCAL_WORLD_SIZE", 1))
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), local)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+        local = int(env.get("SLURM_NTASKS_PER_NODE", 1))  # pretrain.sbatch sets --ntasks-per-node
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), local
+        )
     return LaunchEnv(0, 1, 0)
 
 

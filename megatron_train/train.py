@@ -20,6 +20,7 @@ import yaml
 from megatron_train import cli, runtime
 from megatron_train.config import ExperimentConfig, to_dict
 from megatron_train.errors import BAD_INPUT
+from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
 
@@ -157,6 +158,7 @@ def _main(argv: list[str] | None) -> int:
     env = runtime.launch_env()
     try:
         cfg = resolve(args.config, args.overrides, env.world_size)
+        check_fits_this_node(cfg, env.world_size, env.local_world_size)
     except BAD_INPUT as err:
         if env.rank == 0:
             cli.report(err)

@@ -320,6 +320,18 @@ CASES = [
         "do not fit",
     ),
     Case(
+        "model-beyond-memory",
+        "train",
+        _train("model.hidden_size=65536", "model.ffn_hidden_size=200000", FRESH),
+        "GiB each rank has",
+    ),
+    Case(
+        "micro-batch-beyond-memory",
+        "train",
+        _train("train.micro_batch_size=200000", "train.global_batch_size=200000", FRESH),
+        "GiB each rank has",
+    ),
+    Case(
         "steps-beyond-memory",
         "train",
         _train("train.steps=1000000000000", FRESH),
