@@ -191,7 +191,7 @@ def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) 
     return found
 
 
-def check_fits_this_node(cfg: ExperimentConfig, world_size: int, local_ranks: int) -> None:
+def check_fits_this_node(cfg: ExperimentConfig, world_size: int, local_rank: int, local_ranks: int) -> None:
     """The estimate fits the memory each rank has: on CPU the whole estimate against an equal
     share of this machine's memory, on GPU the weights, gradients and optimizer state (what stays
     resident whatever the schedule does) against the device's. A ConfigError names layouts that
@@ -200,7 +200,8 @@ def check_fits_this_node(cfg: ExperimentConfig, world_size: int, local_ranks: in
     on_gpu = torch.cuda.is_available()
     mem = estimate(cfg, world_size, on_gpu)
     if on_gpu:
-        device = torch.cuda.get_device_properties(torch.cuda.current_device())
+        # The rank's own GPU: asking device 0 from every rank would open a context there for each.
+        device = torch.cuda.get_device_properties(local_rank % torch.cuda.device_count())
         needed, limit = mem.total - mem.activations, device.total_memory
         what, where = "weights, gradients and optimizer state", f"{device.name}'s memory"
     else:

@@ -3,8 +3,9 @@ torchrun's arguments (launch/local.sh calls it).
 
 torchrun turns any failed worker into its own traceback and exit code 1, so a bad config (every
 rank exits 2 after one ``error:`` line) or a run stopped after its save (3) looked like a crash.
-Here, when every failed rank exited 2, or every one 3, that code is the launcher's and nothing
-is added to the ranks' own output; any other failure names the first failed rank and exits 1.
+Here, when the first failed rank exited 2 or 3 and the others gave the same code or were ended by
+the agent, that code is the launcher's and nothing is added to the ranks' own output; any other
+failure names the first failed rank and exits 1.
 """
 
 from __future__ import annotations
@@ -24,11 +25,26 @@ _REPORTED = (EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY)
 
 
 class _QuietReportedExits(logging.Filter):
-    """Drops the agent's "failed (exitcode: N)" line for the codes ranks report themselves."""
+    """Drops the agent's lines about ending the ranks: "failed (exitcode: N)" for the codes ranks
+    report themselves, and "Sending process P closing signal S" to the ranks still running when
+    the first one exits (its exit code, or the line :func:`main` prints, says what happened)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        reported = record.msg.startswith("failed (exitcode") and record.args and record.args[0] in _REPORTED
-        return not reported
+        message = str(record.msg)
+        if message.startswith("Sending process"):
+            return False
+        failed = message.startswith("failed (exitcode") and isinstance(record.args, tuple)
+        return not (failed and record.args[:1] and record.args[0] in _REPORTED)
+
+
+def exit_code(err: ChildFailedError) -> int:
+    """The launcher's exit code for failed ranks: the first one's 2 or 3 when every other failed
+    rank gave the same code or was ended by the agent's signal (a negative code); otherwise 1."""
+    rank, first = err.get_first_failure()
+    others = [failure.exitcode for r, failure in err.failures.items() if r != rank]
+    if first.exitcode in _REPORTED and all(code == first.exitcode or code < 0 for code in others):
+        return first.exitcode
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,12 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as err:
-        codes = {failure.exitcode for failure in err.failures.values()}
-        if len(codes) == 1 and codes <= set(_REPORTED):
-            return codes.pop()
-        rank, first = err.get_first_failure()
-        cli.report(f"rank {rank} failed first, with exit code {first.exitcode}; its output is above")
-        return 1
+        code = exit_code(err)
+        if code == 1:
+            rank, first = err.get_first_failure()
+            cli.report(f"rank {rank} failed first, with exit code {first.exitcode}; its output is above")
+        return code
     except SignalException as err:
         # The agent passed the signal on to the ranks, which saved and reported for themselves.
         return 128 + int(err.sigval)

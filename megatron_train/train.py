@@ -158,7 +158,7 @@ def _main(argv: list[str] | None) -> int:
     env = runtime.launch_env()
     try:
         cfg = resolve(args.config, args.overrides, env.world_size)
-        check_fits_this_node(cfg, env.world_size, env.local_world_size)
+        check_fits_this_node(cfg, env.world_size, env.local_rank, env.local_world_size)
     except BAD_INPUT as err:
         if env.rank == 0:
             cli.report(err)
