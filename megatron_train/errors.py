@@ -25,3 +25,8 @@ class ConversionError(ValueError):
 
 
 BAD_INPUT = (ConfigError, CheckpointError, ConversionError)
+
+
+def reason(err: BaseException) -> str:
+    """A library exception's message as one line of at most 300 characters, for an error line."""
+    return " ".join(str(err).split())[:300] or type(err).__name__

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sentencepiece
 
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, reason
 from megatron_train.sentencepiece_cuts import bpe_cutter
 
 Encode = Callable[[list[str]], list[list[int]]]
@@ -100,10 +100,9 @@ def tokenizer_loading(kind: str, path: str, key: str, type_key: str) -> Iterator
     try:
         yield
     except Exception as err:  # sentencepiece, transformers and megatron raise many kinds
-        reason = " ".join(str(err).split())[:300] or type(err).__name__
         raise ConfigError(
             key,
-            f"{path} does not load as a {kind} tokenizer ({reason})",
+            f"{path} does not load as a {kind} tokenizer ({reason(err)})",
             f"point it at a tokenizer of that type, or set {type_key} to the type it is",
         ) from err
 

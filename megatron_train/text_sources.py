@@ -19,7 +19,7 @@ import pyarrow
 import pyarrow.parquet as pq
 import zstandard
 
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, reason
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet", ".txt")
 _PARQUET_ROWS_PER_BATCH = 1024
@@ -149,9 +149,8 @@ def read_texts(path: Path, key: str = "text") -> Iterator[str]:
         else:
             yield from _json_lines(path, key)
     except (OSError, UnicodeDecodeError, EOFError, zstandard.ZstdError, pyarrow.ArrowException) as err:
-        reason = " ".join(str(err).split())[:300] or type(err).__name__
         raise ConfigError(
-            "--input", f"{path} could not be read ({reason})", "fix or replace the file"
+            "--input", f"{path} could not be read ({reason(err)})", "fix or replace the file"
         ) from err
 
 

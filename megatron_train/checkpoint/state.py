@@ -27,7 +27,7 @@ from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.config import ExperimentConfig, to_dict
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, reason
 
 # What checkpoints written before the format was recorded hold.
 _FORMAT_BEFORE_RECORDING = "fully_reshardable"
@@ -168,9 +168,8 @@ def check_within_steps(path: Path, iteration: int, steps: int) -> None:
 
 
 def _corrupt(what: Path, err: BaseException) -> CheckpointError:
-    reason = " ".join(str(err).split())[:300] or type(err).__name__
     return CheckpointError(
-        f"{what} is unreadable ({reason}): the checkpoint is corrupt; resume from another one"
+        f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt; resume from another one"
     )
 
 

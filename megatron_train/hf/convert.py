@@ -31,7 +31,7 @@ from megatron_train.checkpoint.state import (
 )
 from megatron_train.checkpoint.streaming_save import save_weights
 from megatron_train.config import ModelConfig, from_dict
-from megatron_train.errors import ConversionError
+from megatron_train.errors import ConversionError, reason
 from megatron_train.hf.model_dir import hf_dtype, read_hf_config
 from megatron_train.hf.plan import export_plan, hf_shapes
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
@@ -232,9 +232,8 @@ def _export_tokenizer(tokenizer: dict, path: Path | None, out: Path):
                 str(out), add_prefix_space=pieces[0].startswith("\u2581")
             )
     except Exception as err:  # sentencepiece and transformers raise many kinds
-        reason = " ".join(str(err).split())[:300] or type(err).__name__
         raise ConversionError(
-            f"{path} does not load as the run's {tokenizer['type']} tokenizer ({reason}); "
+            f"{path} does not load as the run's {tokenizer['type']} tokenizer ({reason(err)}); "
             "pass --tokenizer with the one the run trained with"
         ) from err
     hf_tokenizer.save_pretrained(str(out))
