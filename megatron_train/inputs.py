@@ -119,14 +119,14 @@ def split_sizes(prefix: str, split: str) -> list[SplitSize | None]:
     return sizes
 
 
-def check_splits_hold_a_sample(prefixes: list[str], split: str, seq_length: int) -> None:
-    """Every split with a share, of every dataset, holds one sample (``seq_length`` + 1 tokens).
-    megatron-core would stop on an assertion for an unweighted blend, and loop forever over an
-    empty split of a weighted one."""
+def check_splits_hold_a_sample(sizes: dict[str, list[SplitSize | None]], split: str, seq_length: int) -> None:
+    """Every split with a share (``sizes``: each dataset's :func:`split_sizes`), of every dataset,
+    holds one sample (``seq_length`` + 1 tokens). megatron-core would stop on an assertion for an
+    unweighted blend, and loop forever over an empty split of a weighted one."""
     short = [
         (prefix, name, size.tokens)
-        for prefix in prefixes
-        for name, size in zip(_SPLITS, split_sizes(prefix, split), strict=True)
+        for prefix, splits in sizes.items()
+        for name, size in zip(_SPLITS, splits, strict=True)
         if size is not None and size.tokens < seq_length + 1
     ]
     if short:
@@ -155,14 +155,14 @@ def epochs(samples: int, seq_length: int, tokens: int) -> int:
     return max(1, -(-(samples * seq_length + 1) // tokens))
 
 
-def check_index_memory(cfg: ExperimentConfig) -> None:
-    """The dataset indices megatron-core builds in memory for this run fit this machine's memory.
+def check_index_memory(cfg: ExperimentConfig, sizes: dict[str, list[SplitSize | None]]) -> None:
+    """The dataset indices megatron-core builds in memory for this run (``sizes``: each dataset's
+    :func:`split_sizes`) fit this machine's memory.
 
     A run far longer than its data (``train.steps`` by mistake in the billions) otherwise stops in
     numpy's allocation after a long loop, or loops for hours counting epochs one at a time.
     """
     prefixes, weights = parse_blend(cfg.data.blend)
-    sizes = {prefix: split_sizes(prefix, cfg.data.split) for prefix in prefixes}
     largest = (0, "", "", 0, 0)
     resident = transient = 0
     for split_index, samples in enumerate(requested_samples(cfg)):
@@ -184,7 +184,7 @@ def check_index_memory(cfg: ExperimentConfig) -> None:
             transient = max(transient, documents * _MGRID_BYTES)
             if documents > largest[0]:
                 largest = (documents, prefix, _SPLITS[split_index], passes, size.tokens)
-    needed, available = resident + transient, _physical_memory()
+    needed, available = resident + transient, physical_memory()
     if needed > available:
         _, prefix, name, passes, tokens = largest
         key = "train.steps" if name == "train" else "train.eval_steps"
@@ -198,7 +198,8 @@ def check_index_memory(cfg: ExperimentConfig) -> None:
         )
 
 
-def _physical_memory() -> int:
+def physical_memory() -> int:
+    """Bytes of memory this machine has."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -230,8 +231,9 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     if not cfg.data.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     dtypes = {prefix: check_indexed_dataset(prefix) for prefix in blend_prefixes(cfg.data.blend)}
-    check_splits_hold_a_sample(list(dtypes), cfg.data.split, cfg.data.seq_length)
-    check_index_memory(cfg)
+    sizes = {prefix: split_sizes(prefix, cfg.data.split) for prefix in dtypes}
+    check_splits_hold_a_sample(sizes, cfg.data.split, cfg.data.seq_length)
+    check_index_memory(cfg, sizes)
     tokenizer = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
     vocab = tokenizer.vocab_size
     if cfg.data.document_mask and tokenizer.eod is None:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from megatron_train.config import ExperimentConfig, data_parallel_size
 from megatron_train.errors import ConfigError
+from megatron_train.inputs import physical_memory
 from megatron_train.models.registry import family_of
 
 
@@ -205,7 +205,7 @@ def check_fits_this_node(cfg: ExperimentConfig, world_size: int, local_rank: int
         needed, limit = mem.total - mem.activations, device.total_memory
         what, where = "weights, gradients and optimizer state", f"{device.name}'s memory"
     else:
-        needed, memory = mem.total, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        needed, memory = mem.total, physical_memory()
         limit = memory / max(1, local_ranks)
         what, where = "everything", f"this machine's {memory / 2**30:,.1f} GiB over {local_ranks} rank(s)"
     if needed > limit:
