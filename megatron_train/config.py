@@ -459,6 +459,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(err)
         # An option of the value's own type that refused it says more than a type mismatch.
         errors.sort(key=lambda err: err.problem.startswith("expected"))
+        if len(errors) > 1 and all(_is_mismatch(err) for err in errors):
+            forms = ", or ".join(_form(option) for option in options if option is not type(None))
+            raise ConfigError(key, f"{value!r} is not allowed", f"set {key} to {forms}")
         raise errors[0]
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -481,6 +484,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}",
         f"set {key} to {_type_name(tp)}",
     )
+
+
+def _is_mismatch(err: ConfigError) -> bool:
+    """Whether ``err`` says the value is of the wrong kind, not that its kind's rule refused it."""
+    return err.problem.startswith("expected") or err.problem.endswith("is not allowed")
+
+
+def _form(tp: Any) -> str:
+    """What a value of annotation ``tp`` looks like, for a fix that lists a union's options."""
+    if typing.get_origin(tp) is Literal:
+        return ", ".join(repr(choice) for choice in typing.get_args(tp))
+    if typing.get_origin(tp) is Annotated:
+        return _form(typing.get_args(tp)[0])
+    return _type_name(tp)
 
 
 def _finite(value: Any, key: str) -> float:
@@ -680,6 +697,12 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "model.hidden_size",
             f"{m.hidden_size} is not divisible by {m.num_attention_heads} heads",
             "make hidden_size a multiple of num_attention_heads or set model.kv_channels",
+        )
+    if m.head_dim % 2:
+        raise ConfigError(
+            "model.kv_channels" if m.kv_channels else "model.hidden_size",
+            f"gives heads of {m.head_dim} channels, but rotary embeddings turn channels in pairs",
+            "use an even head dimension (kv_channels, or hidden_size / num_attention_heads)",
         )
     vpp = p.virtual_pipeline or 1
     if vpp > 1 and p.pipeline < 3:

@@ -53,6 +53,18 @@ def layer_implementation(cfg: ExperimentConfig) -> tuple[bool, str]:
     return False, f"local layers (model.transformer_impl=auto: Transformer Engine unusable, {missing})"
 
 
+def check_attention_backend(cfg: ExperimentConfig) -> None:
+    """Refuse an SDPA kernel this machine lacks: PyTorch has cuDNN and memory-efficient attention
+    only on CUDA, and SDPA fails in the first forward step without one."""
+    backend = cfg.model.attention_backend
+    if backend in ("cudnn", "efficient") and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.attention_backend",
+            f"is {backend}, a kernel PyTorch has only on CUDA, and there is no CUDA device",
+            "use auto, flash or math here",
+        )
+
+
 def use_transformer_engine(cfg: ExperimentConfig) -> bool:
     """Resolve ``model.transformer_impl`` against what this machine has."""
     return layer_implementation(cfg)[0]
@@ -61,6 +73,8 @@ def use_transformer_engine(cfg: ExperimentConfig) -> bool:
 def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     """This rank's model chunks on its device, not initialised and not wrapped."""
     family, te = family_of(cfg.model), use_transformer_engine(cfg)
+    if not te:
+        check_attention_backend(cfg)
     recompute_without_transformer_engine()
     moe_router_without_transformer_engine()
     moe_split_sizes_on_cpu()

@@ -270,6 +270,19 @@ CASES = [
     ),
     Case("override-into-scalar", "train", _train("train.steps.x=1"), "'train.steps'"),
     Case("override-unknown-section", "train", _train("trian.steps=1"), "did you mean"),
+    Case(
+        "override-neither-union-option",
+        "train",
+        _train("checkpoint.fully_parallel_load=maybe"),
+        "to true or false, or 'auto'",
+    ),
+    Case("odd-head-dimension", "train", _train("model.kv_channels=7", FRESH), "channels in pairs"),
+    Case(
+        "cuda-only-attention-kernel",
+        "train",
+        _train("model.attention_backend=efficient", FRESH),
+        "only on CUDA",
+    ),
     # train: mixture of experts
     Case("moe-on-llama", "train", _train("model.num_experts=8", FRESH), "no mixture-of-experts models"),
     Case(
