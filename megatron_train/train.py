@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from megatron_train import cli, runtime
+from megatron_train.checkpoint.manager import SaveFailed
 from megatron_train.config import ExperimentConfig, to_dict
 from megatron_train.errors import BAD_INPUT
 from megatron_train.memory import check_fits_this_node
@@ -175,6 +176,10 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_CONFIG
     except TrainingDiverged as err:
         print(f"error on rank {rt.rank}: {err}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    except SaveFailed as err:
+        if rt.is_main:
+            print(f"error: {err}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     finally:
         runtime.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -244,6 +245,28 @@ def test_kill_during_async_save_resumes_from_previous_complete(tmp_path, corpus)
     assert "skipping torn checkpoint iter_0000004" in resumed.stdout
     assert "iter_0000002 at step 2" in resumed.stdout
     assert [r["step"] for r in records(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_save_the_file_system_refuses_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, trained):
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    save_dir = run / "checkpoints"
+    shard = max(p.stat().st_size for p in files.iteration_dir(save_dir, 4).glob("*.distcp"))
+    # A per-process file size limit fails the next shard's write as a full disk would (Python
+    # ignores SIGXFSZ, so the write returns an error instead of killing the writer).
+    limit = shard // 2
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(trained["config"]),
+           f"logging.run_dir={run}", "train.steps=6"]  # fmt: skip
+    result = subprocess.run(
+        cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(errors) == 1 and "checkpoint step 6 could not be written" in errors[0], errors
+    assert "iter_0000004 is the newest complete checkpoint" in errors[0]
+    assert (save_dir / files.TRACKER).read_text().strip() == "4"
+    files.verify(files.iteration_dir(save_dir, 4), checksums=True)
 
 
 def test_truncated_latest_falls_back_in_auto_and_fails_when_explicit(tmp_path, trained):

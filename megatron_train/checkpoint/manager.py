@@ -26,8 +26,9 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_train import megatron_compat, runtime
+from megatron_train import errors, megatron_compat, runtime
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.policy import SavePolicy
@@ -51,6 +52,12 @@ from megatron_train.checkpoint.state import (
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir
 from megatron_train.stopping import STOP_SIGNALS, Decision
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint's files could not be written (a full disk, a lost mount); raised on every rank
+    together, the message is rank 0's. Earlier checkpoints are untouched: the run stops with exit 1
+    and the same command resumes from the newest complete one."""
 
 
 def _serve_while_parent_lives() -> None:
@@ -143,6 +150,7 @@ class Checkpointer:
         self._recorder_error: BaseException | None = None
         self._warmup: threading.Thread | None = None
         self._strategies: dict[str, object] = {}
+        self._writing: tuple[int, Path] | None = None
 
     def start_writer(self) -> None:
         """Start the background writer's process while the data is built (async saves only);
@@ -178,6 +186,7 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
         torch.distributed.barrier()
+        self._writing = (iteration, path)
         common = metadata(self.cfg, Layout.current(moe=self.cfg.model.num_experts is not None))
         fmt = self._format_for(why)
         first_of_its_kind = fmt not in self._strategies
@@ -195,7 +204,8 @@ class Checkpointer:
                 request = request._replace(async_fn=_yielding(request.async_fn))
             self._queue.schedule_async_request(request)
         else:
-            request.execute_sync()
+            with self._failed_writes_reported():
+                request.execute_sync()
         kind = "async" if self._queue is not None else "sync"
         blocked = time.perf_counter() - start
         self.log(
@@ -242,7 +252,7 @@ class Checkpointer:
                 f"{time.perf_counter() - start:.2f} s from start to record){gone}"
             )
         except BaseException as err:  # re-raised on the training thread by wait()
-            self._recorder_error = err
+            self._recorder_error = self._save_failed(iteration, path, f"recording it: {errors.reason(err)}")
 
     def _join_recorder(self) -> None:
         if self._recorder is not None:
@@ -250,18 +260,40 @@ class Checkpointer:
             self._recorder = None
         if self._recorder_error is not None:
             err, self._recorder_error = self._recorder_error, None
-            raise CheckpointError(f"recording the checkpoint failed: {err}") from err
+            raise err
 
     def poll(self) -> None:
         """Finalise a finished background save (call on every rank, e.g. once per step)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=False)
+            with self._failed_writes_reported():
+                self._queue.maybe_finalize_async_calls(blocking=False)
 
     def wait(self) -> None:
         """Block until any save in flight is fully written and recorded (all ranks)."""
         if self._queue is not None and self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=True)
+            with self._failed_writes_reported():
+                self._queue.maybe_finalize_async_calls(blocking=True)
         self._join_recorder()
+
+    @contextlib.contextmanager
+    def _failed_writes_reported(self) -> Iterator[None]:
+        """Turn megatron's report of a failed write (raised on every rank, with the ranks' errors
+        on rank 0 only) into :class:`SaveFailed` naming the step, the cause and the free space."""
+        try:
+            yield
+        except CheckpointException as err:
+            causes = sorted({errors.reason(exc) for exc, _ in err.failures.values()})
+            raise self._save_failed(*self._writing, "; ".join(causes) or "see rank 0") from None
+
+    def _save_failed(self, iteration: int, path: Path, cause: str) -> SaveFailed:
+        free = shutil.disk_usage(self.save_dir).free / 2**20
+        newest = files.find_latest_complete(self.save_dir).path
+        resume = f"{newest.name} is the newest complete checkpoint" if newest else "no checkpoint is complete"
+        return SaveFailed(
+            f"checkpoint step {iteration} could not be written to {path} "
+            f"({cause}; {free:,.1f} MiB free on its file system). "
+            f"{resume}: fix the cause (e.g. free space) and run the same command to resume"
+        )
 
     def release(self) -> None:
         """Let the process exit cleanly on any path (a half-started writer Manager would block it)."""
