@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from megatron_train.errors import BAD_INPUT
+from megatron_train.errors import BAD_INPUT, out_of_room
 
-EXIT_BAD_INPUT = 2
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
 
 def report(err: BaseException | str) -> None:
@@ -52,13 +52,22 @@ probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def run(body: Callable[[], None]) -> int:
-    """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2. Any
-    process group ``body`` started is torn down on every path."""
+    """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2, an output
+    the file system has no room for one line and exit code 1 (the tools remove what they had
+    written). Any process group ``body`` started is torn down on every path."""
     try:
         body()
     except BAD_INPUT as err:
         report(err)
         return EXIT_BAD_INPUT
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        cause = out_of_room(err)
+        if cause is None:
+            raise
+        report(
+            f"the output could not be written ({cause}). Fix: free space where it goes or write it elsewhere"
+        )
+        return EXIT_FAILED
     finally:
         # Only the runtime starts process groups; tools that never import it (and torch with it)
         # start in a fraction of the time.

@@ -1,7 +1,10 @@
 """The bad-input errors: each message names the problem and the fix, and every entry point turns
-them into one line on stderr and exit code 2 (no traceback)."""
+them into one line on stderr and exit code 2 (no traceback). A write the file system refuses is
+not bad input, but it too ends in one line (exit code 1)."""
 
 from __future__ import annotations
+
+import errno
 
 
 class ConfigError(ValueError):
@@ -25,6 +28,27 @@ class ConversionError(ValueError):
 
 
 BAD_INPUT = (ConfigError, CheckpointError, ConversionError)
+
+
+def out_of_room(err: BaseException) -> str | None:
+    """The reason of the write in ``err`` that the file system refused for want of room (a full
+    disk, a quota, a file-size limit), or None. numpy's ``tofile`` and PyTorch's zip writer
+    (``torch.save``) report a short write without an errno; PyTorch's distributed checkpoint
+    gathers the ranks' errors in ``failures``, and writer processes chain theirs as the cause."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return reason(err)
+    text = str(err)
+    if (
+        isinstance(err, OSError)
+        and err.errno is None
+        and " requested and " in text
+        and text.endswith(" written")
+    ):
+        return f"numpy wrote its file short, as on a full disk: {reason(err)}"
+    if isinstance(err, RuntimeError) and ("PytorchStreamWriter failed" in text or "unexpected pos" in text):
+        return f"torch.save wrote its file short, as on a full disk: {reason(err)}"
+    inner = [exc for exc, _ in getattr(err, "failures", {}).values()] + [err.__cause__]
+    return next((found for exc in inner if exc is not None and (found := out_of_room(exc))), None)
 
 
 def reason(err: BaseException) -> str:

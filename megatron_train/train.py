@@ -20,7 +20,7 @@ import yaml
 from megatron_train import cli, runtime
 from megatron_train.checkpoint.manager import SaveFailed
 from megatron_train.config import ExperimentConfig, to_dict
-from megatron_train.errors import BAD_INPUT
+from megatron_train.errors import BAD_INPUT, out_of_room
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
@@ -63,7 +63,13 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
 
     from megatron_train import warm_start
     from megatron_train.checkpoint.state import Progress, check_within_steps
-    from megatron_train.data import IndexProgress, batch_iterator, build_datasets, index_count
+    from megatron_train.data import (
+        IndexProgress,
+        batch_iterator,
+        build_datasets,
+        drop_torn_indices,
+        index_count,
+    )
     from megatron_train.evaluation import Evaluator
     from megatron_train.model import build_model, layer_implementation
     from megatron_train.optim import build_optimizer
@@ -97,8 +103,14 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
 
     started = time.perf_counter()
     indices = IndexProgress(index_count(cfg), log.info)
+    cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
+    torn = drop_torn_indices(cache_dir)
+    if torn:
+        names = ", ".join(p.name for p in torn)
+        log.info(f"data cache: rebuilding what an earlier build cut short (removed {names})")
     with runtime.patient_collectives(cfg.data.build_timeout_minutes):
-        train_ds, valid_ds = build_datasets(cfg, cfg.data.cache_dir or str(run_dir / "data_cache"), indices)
+        torch.distributed.barrier()
+        train_ds, valid_ds = build_datasets(cfg, cache_dir, indices)
     log.info(
         f"datasets ready in {time.perf_counter() - started:.1f} s (indices: {indices.summary()}): "
         f"{len(train_ds):,} training samples, {len(valid_ds) if valid_ds else 0:,} validation samples"
@@ -180,6 +192,16 @@ def _main(argv: list[str] | None) -> int:
     except SaveFailed as err:
         if rt.is_main:
             print(f"error: {err}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        cause = out_of_room(err)
+        if cause is None:
+            raise
+        print(
+            f"error on rank {rt.rank}: a file of the run could not be written ({cause}). Fix: free space "
+            "where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run the same command",
+            file=sys.stderr,
+        )
         return EXIT_TRAINING_FAILED
     finally:
         runtime.shutdown()

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import resource
 import socket
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_train import batch, megatron_compat
-from megatron_train.data import IndexProgress, build_datasets, index_count
+from megatron_train.data import IndexProgress, build_datasets, drop_torn_indices, index_count
 from megatron_train.inputs import epochs, split_sizes
 from megatron_train.resolve import load_config
 from megatron_train.tokenizer import load_tokenizer
@@ -153,6 +156,44 @@ def test_index_progress_counts_every_dataset_built_then_read_from_the_cache(
         assert progress.summary() == counts, run
         assert len(lines) == 9 and lines[-1].startswith("dataset indices: 9 of 9 begun after"), lines
     assert not logging.getLogger(megatron_compat.DATASET_INDEX_LOGGER).handlers
+
+
+def test_an_index_file_cut_short_in_the_cache_is_dropped_and_built_again(
+    tmp_path, corpus, single_process_group
+):
+    cfg = load_config(write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"), [])
+    cache = tmp_path / "cache"
+    build_datasets(cfg, str(cache))
+    shuffle = next(cache.glob("*-train-shuffle_index.npy"))
+    intact = sorted(p.name for p in cache.glob("*.npy") if p != shuffle)
+    with open(shuffle, "r+b") as f:  # as a full disk or a kill leaves the last file megatron writes
+        f.truncate(shuffle.stat().st_size // 2)
+    with pytest.raises(ValueError, match="mmap length"):
+        build_datasets(cfg, str(cache))
+
+    assert drop_torn_indices(str(cache)) == [shuffle]
+    assert sorted(p.name for p in cache.glob("*.npy")) == intact
+    progress = IndexProgress(index_count(cfg), lambda line: None)
+    train, _ = build_datasets(cfg, str(cache), progress)
+    assert progress.summary() == "1 built, 1 from cache" and len(train) > 0
+    assert drop_torn_indices(str(cache)) == []
+
+
+def test_a_tool_whose_output_finds_no_room_says_so_in_one_line_and_leaves_nothing(tmp_path, corpus):
+    limit = corpus["prefix"].with_suffix(".bin").stat().st_size // 2
+    # A per-process file size limit refuses the write as a full disk would (Python ignores
+    # SIGXFSZ, so the write fails instead of killing the tool).
+    result = subprocess.run(
+        [sys.executable, "tools/merge_datasets.py", "--input", str(corpus["prefix"]),
+         "--output-prefix", str(tmp_path / "merged")],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
+    )  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert errors[0].startswith("error: the output could not be written ([Errno 27] File too large)")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

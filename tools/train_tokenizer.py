@@ -13,6 +13,7 @@ input, or a model already under the prefix (it is never replaced).
 from __future__ import annotations
 
 import argparse
+import errno
 import itertools
 import os
 import sys
@@ -113,6 +114,10 @@ def _train(texts: Iterator[str], args: argparse.Namespace, prefix: Path) -> None
     except (RuntimeError, ValueError) as err:
         if pieces.failure is None:
             reason = " ".join(str(err).split())
+            if "output->Write" in reason:
+                # Its output files are open by then (the prefix was checked writable): a write
+                # fails only for want of room.
+                raise OSError(errno.ENOSPC, "SentencePiece could not write its model and vocabulary") from err
             raise ConfigError(
                 "--vocab-size", f"SentencePiece refused to train: {reason}", "lower it or add text"
             ) from err
