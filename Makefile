@@ -29,7 +29,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=40
 
 format: install
 	$(BIN)/ruff format .
