@@ -60,14 +60,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--cpu", action="store_true", help="CPU-only nodes: no --gpus-per-node request")
     parser.add_argument("--time", type=slurm_time, default="24:00:00", help="time limit (sbatch --time)")
-    parser.add_argument("--partition")
-    parser.add_argument("--account")
-    parser.add_argument("--job-name", default="megatron-train")
+    parser.add_argument("--partition", type=cli.non_empty)
+    parser.add_argument("--account", type=cli.non_empty)
+    parser.add_argument("--job-name", type=cli.non_empty, default="megatron-train")
     parser.add_argument("--signal-seconds", type=cli.positive_int, default=300,
                         help="send SIGUSR1 this long before the time limit (save, then requeue)")  # fmt: skip
     parser.add_argument("--max-requeues", type=cli.non_negative_int, default=20)
-    parser.add_argument("--container-image", help="pyxis/enroot image (e.g. a .sqsh from enroot import)")
-    parser.add_argument("--container-mounts", help="extra pyxis mounts, src:dst[,src:dst]")
+    parser.add_argument(
+        "--container-image", type=cli.non_empty, help="pyxis/enroot image (e.g. a .sqsh from enroot import)"
+    )
+    parser.add_argument(
+        "--container-mounts", type=cli.non_empty, help="extra pyxis mounts, src:dst[,src:dst]"
+    )
     parser.add_argument("--log-dir", default="logs", help="per-job directory with per-rank logs goes here")
     parser.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
     parser.add_argument("--skip-preflight", action="store_true")

@@ -49,6 +49,15 @@ positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: v > 0, "a number > 0")
 probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+# torch's generators take a 64-bit unsigned seed.
+seed = _number(int, lambda v: 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
+
+
+def non_empty(text: str) -> str:
+    """An argument that must not be empty (an empty ``--partition=`` reaches sbatch as a typo)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty value")
+    return text
 
 
 def run(body: Callable[[], None]) -> int:

@@ -675,6 +675,12 @@ CASES = [
         "submit-nodes-0", "submit", _args("--config", "WS/cfg.yaml", "--nodes", "0", "--dry-run"), "--nodes"
     ),
     Case(
+        "submit-empty-partition",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--partition", "", "--dry-run"),
+        "--partition: an empty value",
+    ),
+    Case(
         "submit-preflight-fails",
         "submit",
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--dry-run", "parallel.tensor=3"),
@@ -830,6 +836,12 @@ CASES = [
         "--max-new-tokens",
     ),
     Case("generate-top-p-2", "generate", _args("--ckpt", f"WS/{CKPT}", "--top-p", "2"), "--top-p"),
+    Case(
+        "generate-seed-beyond-64-bits",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--seed", "99999999999999999999"),
+        "--seed",
+    ),
     Case(
         "generate-zero-temperature",
         "generate",

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=32)
     parser.add_argument("--top-p", type=cli.probability, help="nucleus sampling threshold (default: greedy)")
     parser.add_argument("--temperature", type=cli.positive_float, default=1.0)
-    parser.add_argument("--seed", type=cli.non_negative_int, default=0)
+    parser.add_argument("--seed", type=cli.seed, default=0)
     parser.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline-parallel size")
     parser.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint config's)")
