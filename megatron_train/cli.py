@@ -60,6 +60,13 @@ def non_empty(text: str) -> str:
     return text
 
 
+def no_room(err: BaseException, what: str, fix: str) -> str | None:
+    """The error line (without ``error:``) for ``err`` when it is a write the file system refused
+    for want of room, which ends an entry point with exit code 1; None for any other error."""
+    cause = out_of_room(err)
+    return None if cause is None else f"{what} could not be written ({cause}). Fix: {fix}"
+
+
 def run(body: Callable[[], None]) -> int:
     """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2, an output
     the file system has no room for one line and exit code 1 (the tools remove what they had
@@ -70,12 +77,9 @@ def run(body: Callable[[], None]) -> int:
         report(err)
         return EXIT_BAD_INPUT
     except BaseException as err:  # torch's CheckpointException is a BaseException
-        cause = out_of_room(err)
-        if cause is None:
+        if (line := no_room(err, "the output", "free space where it goes or write it elsewhere")) is None:
             raise
-        report(
-            f"the output could not be written ({cause}). Fix: free space where it goes or write it elsewhere"
-        )
+        report(line)
         return EXIT_FAILED
     finally:
         # Only the runtime starts process groups; tools that never import it (and torch with it)

@@ -20,7 +20,7 @@ import yaml
 from megatron_train import cli, runtime
 from megatron_train.checkpoint.manager import SaveFailed
 from megatron_train.config import ExperimentConfig, to_dict
-from megatron_train.errors import BAD_INPUT, out_of_room
+from megatron_train.errors import BAD_INPUT
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
@@ -194,14 +194,12 @@ def _main(argv: list[str] | None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     except BaseException as err:  # torch's CheckpointException is a BaseException
-        cause = out_of_room(err)
-        if cause is None:
-            raise
-        print(
-            f"error on rank {rt.rank}: a file of the run could not be written ({cause}). Fix: free space "
-            "where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run the same command",
-            file=sys.stderr,
+        where = (
+            "free space where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run it again"
         )
+        if (line := cli.no_room(err, "a file of the run", where)) is None:
+            raise
+        print(f"error on rank {rt.rank}: {line}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     finally:
         runtime.shutdown()
