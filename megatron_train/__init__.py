@@ -1,9 +1,26 @@
 """megatron-train: LLM pretraining on megatron-core."""
 
 import os
+import sys
 import warnings
+from importlib.util import module_from_spec, spec_from_file_location
+from pathlib import Path
 
 __version__ = "0.1.0"
+
+# The model families are the checkout's top-level models/ folder, installed as megatron_train.models
+# (pyproject's package-dir). Imported from a checkout beside a wheel install (`python -m
+# megatron_train.train` in the repository root on an air-gapped node), this package has no models/
+# inside, so the name is mapped to that folder here, as an editable install maps it.
+_checkout_models = Path(__file__).resolve().parent.parent / "models"
+if not Path(__file__).with_name("models").is_dir() and (_checkout_models / "registry.py").is_file():
+    _spec = spec_from_file_location(
+        f"{__name__}.models",
+        _checkout_models / "__init__.py",
+        submodule_search_locations=[str(_checkout_models)],
+    )
+    models = sys.modules[_spec.name] = module_from_spec(_spec)
+    _spec.loader.exec_module(models)
 
 # Known, harmless start-up noise from our dependencies; anything else still shows. Without a GPU,
 # Transformer Engine and apex cannot be used, so megatron-core's notes that it falls back without

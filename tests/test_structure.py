@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -100,6 +102,18 @@ def test_imports_only_point_down_the_layers():
         upward += [f"{name} -> {dep}" for dep in deps if (_layer(dep) or 0) > _layer(name)]
     assert not upward
     assert _imports(_modules()["config"]) <= {"errors", "errors.ConfigError"}
+
+
+def test_the_families_import_from_a_checkout_without_an_editable_install():
+    # A wheel install (the air-gapped wheelhouse) run from the repository root imports this
+    # checkout's megatron_train, whose families sit outside it in models/.
+    code = (
+        "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+        f"sys.path.insert(0, {str(ROOT)!r}); import megatron_train.models.registry as r; print(r.__file__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(ROOT / "models" / "registry.py")
 
 
 def test_derived_sizes_are_computed_on_the_config_only():
