@@ -4,12 +4,13 @@
         [--micro-batch 2] [--grad-accum 4] [--seq 4096] [--compile] [--profile DIR]
     python benchmarks/throughput.py --device cpu --tiny        # a dry run of every code path
 
-The model is torchtitan's Llama-3 "1B" flavour (16 layers x 2048, GQA 32/8, SwiGLU 6144, vocab
-128256, tied embeddings, RoPE theta 500000), built by each framework in bf16 mixed precision (fp32
-master weights and gradient reduction, bf16 compute) and trained on random tokens with AdamW. Each
-framework runs in its own process so memory peaks do not mix. One table prints tokens/s, TFLOP/s,
-MFU and peak memory; every framework's TFLOP/s uses the training log's count
-(``megatron_train.metrics.flops_per_token``: causal attention counted half, as Megatron-LM does).
+The model is torchtitan's Llama-3 "1B" flavour, Llama-3.2-1B's shape (16 layers x 2048, GQA 32/8,
+SwiGLU 8192, vocab 128256, tied embeddings, RoPE theta 500000), built by each framework in bf16 mixed
+precision (fp32 master weights and gradient reduction, bf16 compute) and trained on random tokens
+with AdamW. Each framework runs in its own process so memory peaks do not mix. One table prints
+tokens/s, TFLOP/s, MFU, peak memory and parameter count; every framework's TFLOP/s uses the
+training log's count (``megatron_train.metrics.flops_per_token``: causal attention counted half, as
+Megatron-LM does).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# torchtitan's llama3 "1B": ffn = 1024 * ceil(int(2 * 4 * 2048 / 3) / 1024).
-LLAMA3_1B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+# torchtitan 0.3's llama3 "1B": ffn = 1024 * ceil(int(1.5 * int(2 * 4 * 2048 / 3)) / 1024) = 8192.
+LLAMA3_1B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
                  num_query_groups=8, vocab_size=128256, rotary_base=500000, seq=4096)  # fmt: skip
 TINY = dict(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,
             num_query_groups=2, vocab_size=1024, rotary_base=500000, seq=128)  # fmt: skip
@@ -67,12 +68,13 @@ def _timed(step, steps: int, warmup: int, sync, prof=None) -> list[float]:
     return times
 
 
-def _report(name: str, times: list[float], args, m: dict, peak_gib: float, note: str) -> None:
+def _report(name: str, times: list[float], args, m: dict, peak_gib: float, params: int, note: str) -> None:
     from megatron_train.metrics import flops_per_token
 
     step = statistics.median(times)
     tokens = args.micro_batch * args.grad_accum * m["seq"]
     record = dict(framework=name, step_s=step, tokens_per_s=tokens / step, peak_mem_gib=peak_gib, note=note,
+                  params=params,
                   tflops=flops_per_token(experiment(m, args)) * tokens / step / 1e12)  # fmt: skip
     print(RESULT + json.dumps(record), flush=True)
 
@@ -127,6 +129,7 @@ def run_ours(args, m: dict, te: bool) -> None:
         args,
         m,
         _peak_allocated_gib(),
+        sum(p.numel() for chunk in chunks for p in chunk.parameters()),
         "megatron-core GPTModel, "
         + ("Transformer Engine spec" if te else "local spec (SDPA)")
         + "".join(f", {x}" for x in args.set),
@@ -166,8 +169,9 @@ def run_hf(args, m: dict) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with _profiler(args, "hf") as prof:
         times = _timed(step, args.steps, args.warmup, sync, prof)
-    _report("hf", times, args, m, _peak_allocated_gib(),
-            "transformers LlamaForCausalLM (SDPA) + fused AdamW, autocast bf16"
+    _report("hf", times, args, m, _peak_allocated_gib(), sum(p.numel() for p in model.parameters()),
+            "transformers LlamaForCausalLM (SDPA) + "
+            + ("fused AdamW, autocast bf16" if device.type == "cuda" else "AdamW, fp32")
             + (", torch.compile" if args.compile else ""))  # fmt: skip
 
 
@@ -194,7 +198,7 @@ def _profiler(args, name: str):
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=done)
 
 
-# torchtitan reads its Trainer config from a Python module: this one is written to a scratch dir.
+# torchtitan 0.3 reads its Trainer config from a Python module: this one is written to a scratch dir.
 TITAN_CONFIG = """
 import os
 
@@ -226,6 +230,39 @@ def bench() -> Trainer.Config:
     )
 """
 
+# torchtitan 0.2 takes its options on the command line and its llama3 has no "1B" flavour: this
+# module, imported through --experimental.custom_import, registers the benchmark's shape as "bench".
+TITAN_02_FLAVOUR = """
+import json
+import os
+
+from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
+
+m = json.loads(os.environ["BENCH_MODEL"])
+# With multiple_of set to the FFN width, torchtitan rounds int(8 * dim / 3) up to exactly that width.
+llama3_args["bench"] = TransformerModelArgs(
+    dim=m["hidden_size"], n_layers=m["num_layers"], n_heads=m["num_attention_heads"],
+    n_kv_heads=m["num_query_groups"], vocab_size=m["vocab_size"], multiple_of=m["ffn_hidden_size"],
+    rope_theta=m["rotary_base"], attn_type=os.environ["BENCH_ATTN"],
+)
+"""
+
+
+def titan_02_argv(args, m: dict, tok_dir: Path, data_dir: Path, dump: Path) -> list[str]:
+    """torchtitan 0.2's command line for the benchmark run (the flavour module must be importable)."""
+    if int(8 * m["hidden_size"] / 3) > m["ffn_hidden_size"]:
+        raise SystemExit("torchtitan 0.2 cannot build an FFN narrower than 8/3 x hidden")
+    mb = args.micro_batch
+    argv = ["--model.name", "llama3", "--model.flavor", "bench",
+            "--experimental.custom_import", "titan_bench", "--model.hf_assets_path", str(tok_dir),
+            "--training.dataset", "c4_test",
+            "--training.dataset_path", str(data_dir), "--training.local_batch_size", str(mb),
+            "--training.global_batch_size", str(mb * args.grad_accum), "--training.seq_len", str(m["seq"]),
+            "--training.steps", str(args.warmup + args.steps), "--optimizer.lr", "1e-4",
+            "--metrics.log_freq", "1", "--activation_checkpoint.mode", "none",
+            "--job.dump_folder", str(dump)]  # fmt: skip
+    return argv + (["--compile.enable"] if args.compile else [])
+
 
 def _titan_inputs(scratch: Path) -> tuple[Path, Path]:
     """A word-level tokenizer and a jsonl corpus of random words: torchtitan's loader needs both."""
@@ -254,6 +291,17 @@ def _titan_inputs(scratch: Path) -> tuple[Path, Path]:
     return tok_dir, data_dir
 
 
+def _titan_release() -> tuple[str, tuple[int, int]]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torchtitan")
+    except PackageNotFoundError:
+        raise SystemExit("torchtitan is not installed") from None
+    major, minor = (int(part) for part in found.split(".")[:2])
+    return found, (major, minor)
+
+
 def run_titan(args, m: dict) -> None:
     import re
 
@@ -261,16 +309,28 @@ def run_titan(args, m: dict) -> None:
 
     if not torch.cuda.is_available() or args.tiny:
         raise SystemExit("torchtitan runs its Llama-3 1B on CUDA only")
+    release, version = _titan_release()
     scratch = Path(tempfile.mkdtemp(prefix="titan-bench-"))
     tok_dir, data_dir = _titan_inputs(scratch)
-    (scratch / "titan_bench.py").write_text(TITAN_CONFIG)
+    # 0.3 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims); 0.2.2 runs on torch 2.11.
+    if version >= (0, 3):
+        (scratch / "titan_bench.py").write_text(TITAN_CONFIG)
+        options = ["--module", "titan_bench", "--config", "bench"]
+        attention = args.titan_attention or "flex"
+        how = "FSDP2 mixed precision (bf16 compute, fp32 master), tied embeddings"
+    else:
+        (scratch / "titan_bench.py").write_text(TITAN_02_FLAVOUR)
+        options = titan_02_argv(args, m, tok_dir, data_dir, scratch / "out")
+        attention = args.titan_attention or "sdpa"
+        how = "autocast bf16 (fp32 weights), untied output layer (0.2 has no weight tying)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(scratch), os.environ.get("PYTHONPATH", "")]),
            "BENCH_TOKENIZER": str(tok_dir), "BENCH_DATA": str(data_dir), "BENCH_DUMP": str(scratch / "out"),
            "BENCH_MICRO_BATCH": str(args.micro_batch), "BENCH_ACCUM": str(args.grad_accum),
            "BENCH_SEQ": str(m["seq"]), "BENCH_STEPS": str(args.warmup + args.steps),
-           "BENCH_COMPILE": "1" if args.compile else "0", "BENCH_ATTN": args.titan_attention}  # fmt: skip
+           "BENCH_MODEL": json.dumps(m), "BENCH_COMPILE": "1" if args.compile else "0",
+           "BENCH_ATTN": attention}  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           "-m", "torchtitan.train", "--module", "titan_bench", "--config", "bench"]  # fmt: skip
+           "-m", "torchtitan.train", *options]  # fmt: skip
     proc = subprocess.run(
         cmd, env=env, cwd=scratch, capture_output=True, text=True, timeout=args.titan_timeout
     )
@@ -278,21 +338,24 @@ def run_titan(args, m: dict) -> None:
     if args.log_dir:
         Path(args.log_dir, "torchtitan_trainer.log").write_text(log)
     if proc.returncode != 0:
-        raise SystemExit("torchtitan failed: " + " | ".join(log.strip().splitlines()[-3:]))
+        raise SystemExit(f"torchtitan {release} failed: " + " | ".join(log.strip().splitlines()[-3:]))
     ansi = re.compile(r"\x1b\[[0-9;]*m")
-    steps, mem = {}, 0.0
+    steps, mem, params = {}, 0.0, 0
     for line in map(lambda s: ansi.sub("", s), log.splitlines()):
         found = re.search(r"step:\s*(\d+).*memory:\s*([\d.]+)GiB.*tps:\s*([\d,]+)", line)
         if found:
             steps[int(found[1])] = float(found[3].replace(",", ""))
             mem = max(mem, float(found[2]))
+        size = re.search(r"size: ([\d,]+) total parameters", line)
+        if size:
+            params = int(size[1].replace(",", ""))
     tps = [v for k, v in steps.items() if k > args.warmup]
     if not tps:
         raise SystemExit("torchtitan printed no step lines after the warm-up")
     tokens = args.micro_batch * args.grad_accum * m["seq"]
-    note = f"torchtitan Trainer (FSDP2, bf16 compute, fp32 master), {args.titan_attention} attention"
+    note = f"torchtitan {release} Trainer, {how}, {attention} attention"
     note += (", torch.compile" if args.compile else "") + "; memory is its max reserved"
-    _report("torchtitan", [tokens / t for t in tps], args, m, mem, note)
+    _report("torchtitan", [tokens / t for t in tps], args, m, mem, params, note)
 
 
 def worker(args) -> None:
@@ -322,15 +385,15 @@ def _table(results: dict[str, dict | str], peak: float | None, m: dict, args) ->
         "FLOPs/token = 3 x forward matmuls, causal attention counted half (Megatron-LM): "
         f"{flops_per_token(experiment(m, args)) / 1e9:.2f} GFLOP; MFU against "
         + (f"{peak:.0f} TFLOP/s dense bf16" if peak else "no known peak"),
-        f"{'framework':<12} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}  notes",
+        f"{'framework':<12} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'params':>9}  notes",
     ]
     for name, r in results.items():
         if isinstance(r, str):
-            lines.append(f"{name:<12} {'-':>10} {'-':>8} {'-':>6} {'-':>9}  {r}")
+            lines.append(f"{name:<12} {'-':>10} {'-':>8} {'-':>6} {'-':>9} {'-':>9}  {r}")
             continue
         mfu = f"{100 * r['tflops'] / peak:.1f}%" if peak else "-"
         lines.append(f"{name:<12} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.1f} {mfu:>6} "
-                     f"{r['peak_mem_gib']:>9.1f}  {r['note']}")  # fmt: skip
+                     f"{r['peak_mem_gib']:>9.1f} {r['params'] / 1e6:>8.1f}M  {r['note']}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -346,7 +409,10 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=4)
     parser.add_argument("--compile", action="store_true", help="torch.compile (torchtitan and hf)")
-    parser.add_argument("--titan-attention", default="flex", help="torchtitan attn_backend (flex, varlen)")
+    parser.add_argument(
+        "--titan-attention",
+        help="torchtitan's attention (default: its release's own, flex for 0.3, sdpa for 0.2)",
+    )
     parser.add_argument(
         "--set",
         action="append",

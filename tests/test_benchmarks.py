@@ -1,5 +1,6 @@
 """The GPU throughput benchmark's CPU dry run: every framework path it can run here, end to end."""
 
+import json
 import re
 import subprocess
 import sys
@@ -8,10 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework():
+def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework(tmp_path):
     result = subprocess.run(
         [sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--tiny", "--steps", "1",
-         "--warmup", "1", "--frameworks", "ours,hf,torchtitan"],
+         "--warmup", "1", "--frameworks", "ours,hf,torchtitan", "--log-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -23,6 +24,14 @@ def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework():
     for name in ("ours", "hf"):
         assert re.match(rf"{name}\s+[\d,]+\s+[\d.]+", rows[name]), result.stdout
     assert "did not run" in rows["torchtitan"], result.stdout
+    # Both frameworks build the same model: the same parameters, tied embeddings counted once.
+    params = {
+        name: json.loads(line.split(" ", 1)[1])["params"]
+        for name in ("ours", "hf")
+        for line in (tmp_path / f"{name}.log").read_text().splitlines()
+        if line.startswith("RESULT ")
+    }
+    assert params["ours"] == params["hf"] > 0, params
 
 
 def test_preprocess_benchmark_prints_our_row(corpus):

@@ -3,15 +3,18 @@
 # the node's own torch (and CUDA libraries).
 #
 #   tools/build_wheelhouse.sh [--python 3.12] [--out wheelhouse] [--node-freeze FILE] [--with-te cu13|cu12]
+#       [--with-torchtitan VERSION]
 #
 # Run it where PyPI is reachable. --node-freeze takes the node's `python -m pip list --format=freeze`:
 # versions the node already has are kept where the requirements allow, and their wheels left out.
 # --with-te adds Transformer Engine 2.11 (the newest inside megatron-core 0.16.1's supported range):
 # its prebuilt core wheel for that CUDA major version, and the source of its torch extension, which
-# the node compiles against its own torch. On the node: `bash wheelhouse/install.sh`.
+# the node compiles against its own torch. --with-torchtitan adds that torchtitan release for
+# benchmarks/throughput.py: 0.2.2 on torch 2.11, 0.3 from torch 2.12 (it imports fsdp names 2.11 lacks).
+# On the node: `bash wheelhouse/install.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYV=3.12 OUT=wheelhouse FREEZE="" TE=""
+PYV=3.12 OUT=wheelhouse FREEZE="" TE="" TITAN=""
 TE_VERSION=2.11.0
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -19,12 +22,16 @@ while [ $# -gt 0 ]; do
         --out) OUT=$2; shift 2 ;;
         --node-freeze) FREEZE=$2; shift 2 ;;
         --with-te) TE=$2; shift 2 ;;
+        --with-torchtitan) TITAN=$2; shift 2 ;;
         *) echo "build_wheelhouse.sh: unknown argument '$1' (see the header of this script)" >&2; exit 2 ;;
     esac
 done
 if [[ ! "$PYV" =~ ^3\.[0-9]+$ ]]; then echo "build_wheelhouse.sh: --python wants e.g. 3.12, got '$PYV'" >&2; exit 2; fi
 if [ -n "$TE" ] && [ "$TE" != cu12 ] && [ "$TE" != cu13 ]; then
     echo "build_wheelhouse.sh: --with-te takes cu12 or cu13 (the node's CUDA major version), got '$TE'" >&2; exit 2
+fi
+if [ -n "$TITAN" ] && [[ ! "$TITAN" =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?$ ]]; then
+    echo "build_wheelhouse.sh: --with-torchtitan wants a release such as 0.2.2, got '$TITAN'" >&2; exit 2
 fi
 if [ -n "$FREEZE" ] && [ ! -f "$FREEZE" ]; then echo "build_wheelhouse.sh: --node-freeze: no file '$FREEZE'" >&2; exit 2; fi
 if [ -e "$OUT" ]; then echo "build_wheelhouse.sh: '$OUT' exists; remove it or pick another --out" >&2; exit 2; fi
@@ -47,6 +54,10 @@ if [ -n "$TE" ]; then
     # The core wheel, plus what the torch extension (an sdist, outside this resolution) installs.
     printf '%s\n' "transformer-engine-$TE==$TE_VERSION" einops onnx onnxscript packaging pydantic >"$WORK/te.in"
     REQS+=("$WORK/te.in")
+fi
+if [ -n "$TITAN" ]; then
+    echo "torchtitan==$TITAN" >"$WORK/titan.in"
+    REQS+=("$WORK/titan.in")
 fi
 "$PY" -m uv pip compile -q "${REQS[@]}" --python-version "$PYV" --python-platform x86_64-manylinux_2_28 \
     --override "$WORK/override.txt" --no-header --no-annotate -o "$WORK/all.txt"
@@ -95,6 +106,9 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
 "$PY" -c "import torch" || { echo "install.sh: this Python has no torch; install the node's first" >&2; exit 2; }
 "$PY" -m pip install -q --no-index --find-links "$HERE" "$HERE"/megatron_train-*.whl
+if ls "$HERE"/torchtitan-*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --find-links "$HERE" "$HERE"/torchtitan-*.whl
+fi
 if ls "$HERE"/transformer_engine_torch-*.tar.gz >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --find-links "$HERE" transformer-engine pybind11 ninja \
         "$HERE"/transformer_engine_cu*.whl
