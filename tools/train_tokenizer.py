@@ -23,7 +23,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from megatron_train import cli
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, reason
 from megatron_train.outputs import check_new_files, check_output_dir, made_dir
 from megatron_train.text_sources import input_files, iter_texts
 
@@ -113,13 +113,12 @@ def _train(texts: Iterator[str], args: argparse.Namespace, prefix: Path) -> None
     # for a size beyond its int32.
     except (RuntimeError, ValueError) as err:
         if pieces.failure is None:
-            reason = " ".join(str(err).split())
-            if "output->Write" in reason:
+            if "output->Write" in str(err):
                 # Its output files are open by then (the prefix was checked writable): a write
                 # fails only for want of room.
                 raise OSError(errno.ENOSPC, "SentencePiece could not write its model and vocabulary") from err
             raise ConfigError(
-                "--vocab-size", f"SentencePiece refused to train: {reason}", "lower it or add text"
+                "--vocab-size", f"SentencePiece refused to train: {reason(err)}", "lower it or add text"
             ) from err
     if pieces.failure is not None:
         raise pieces.failure

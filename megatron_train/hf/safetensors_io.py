@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from megatron_train.errors import ConversionError
+from megatron_train.errors import ConversionError, reason
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -27,7 +27,7 @@ def _open_shard(path: Path):
         return safe_open(path, "pt")
     except Exception as err:  # safetensors raises its own error type, or OSError
         raise ConversionError(
-            f"{path} is not a readable safetensors file ({' '.join(str(err).split())}); download it again"
+            f"{path} is not a readable safetensors file ({reason(err)}); download it again"
         ) from err
 
 
