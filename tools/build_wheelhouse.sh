@@ -112,10 +112,13 @@ fi
 if ls "$HERE"/transformer_engine_torch-*.tar.gz >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --find-links "$HERE" transformer-engine pybind11 ninja \
         "$HERE"/transformer_engine_cu*.whl
-    # Compiles TE's torch extension against this node's torch (a few minutes): it needs nvcc and
-    # the NCCL and cuDNN headers (from the nvidia-* Python packages or the CUDA toolkit).
-    NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install -q --no-index \
-        --no-build-isolation --find-links "$HERE" "$HERE"/transformer_engine_torch-*.tar.gz
+    # Compiles TE's torch extension against this node's torch (a few minutes): it needs nvcc and the
+    # CUDA, NCCL and cuDNN headers. A toolkit with nvcc alone lacks some that torch's own headers
+    # include (cusparse.h); the nvidia-* wheels beside torch carry them all, so they are searched too.
+    NV_INCLUDE=$("$PY" -c "import glob, nvidia; print(':'.join(d for p in nvidia.__path__ for d in sorted(glob.glob(p + '/*/include'))))" 2>/dev/null || true)
+    CPATH="$NV_INCLUDE${CPATH:+:$CPATH}" NVTE_PYTORCH_FORCE_BUILD=TRUE MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+        "$PY" -m pip install -q --no-index --no-build-isolation --find-links "$HERE" \
+        "$HERE"/transformer_engine_torch-*.tar.gz
 fi
 "$PY" -c "import megatron_train, megatron.core; print('megatron-train installed with megatron-core', megatron.core.__version__)"
 EOF
