@@ -197,6 +197,7 @@ def enable() -> None:
     megatron_compat.redirect_cuda_rng_state(
         lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(), _set_cpu_rng_state
     )
+    megatron_compat.optimizer_without_cuda_kernels()
 
     torch.distributed.all_gather = _all_gather_uneven
     torch.Tensor.cuda = _tensor_cuda

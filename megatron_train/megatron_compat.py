@@ -16,10 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import optimizer as mcore_optimizers
 from megatron.core import package_info
+from megatron.core import utils as mcore_utils
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.tensor_parallel.layers import (
@@ -178,6 +182,24 @@ def redirect_cuda_rng_state(get: Callable[..., torch.Tensor], set_: Callable[...
     """
     mcore_random._get_cuda_rng_state = get
     mcore_random._set_cuda_rng_state = set_
+
+
+def optimizer_without_cuda_kernels() -> None:
+    """Make megatron's optimizer use torch's Adam and its own per-tensor ops on a CPU machine.
+
+    0.16.1: ``megatron.core.optimizer`` picks Transformer Engine's (else apex's) fused Adam and SGD,
+    and ``clip_grads`` and ``optimizer`` bind their fused ``multi_tensor_applier`` / ``_l2norm`` /
+    ``_scale``, whenever TE imports, GPU or not: a CPU run where TE is installed (a CPU node in an
+    NGC image) fails in CUDA at its first step. These are what megatron binds when neither TE nor
+    apex is installed; where neither is, nothing changes. Idempotent.
+    """
+    mcore_optimizers.Adam, mcore_optimizers.SGD = torch.optim.AdamW, torch.optim.SGD
+    mcore_optimizers.USING_PYTORCH_OPTIMIZER = True
+    clip_grads.multi_tensor_applier = mcore_utils.local_multi_tensor_applier
+    clip_grads.l2_norm_impl = mcore_utils.local_multi_tensor_l2_norm
+    clip_grads.multi_tensor_scale_impl = mcore_utils.local_multi_tensor_scale
+    mcore_optimizer.multi_tensor_applier = mcore_utils.local_multi_tensor_applier
+    mcore_optimizer.multi_tensor_scale_impl = mcore_utils.local_multi_tensor_scale
 
 
 def moe_router_without_transformer_engine() -> None:

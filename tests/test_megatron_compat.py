@@ -127,3 +127,61 @@ SCRIPT = textwrap.dedent(
 def test_workarounds_are_still_needed_and_work_on_real_megatron_objects():
     result = run_tool("-c", SCRIPT, check=False)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+TE_BOUND_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megatron.core import optimizer as mcore_optimizers
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    def fused_cuda_op(*args, **kwargs):
+        raise RuntimeError("a CUDA kernel on a CPU run")
+
+    class FusedAdam(torch.optim.Optimizer):
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("TE's FusedAdam on a CPU run")
+
+    # What megatron binds at import where Transformer Engine imports, GPU or not.
+    mcore_optimizers.Adam, mcore_optimizers.USING_PYTORCH_OPTIMIZER = FusedAdam, False
+    for module in (clip_grads, mcore_optimizer):
+        module.multi_tensor_applier = module.multi_tensor_scale_impl = fused_cuda_op
+    clip_grads.l2_norm_impl = fused_cuda_op
+
+    from megatron_train import megatron_compat, runtime
+    from megatron_train.model import build_model
+    from megatron_train.optim import build_optimizer
+    from megatron_train.resolve import build_config
+
+    cfg = build_config({"model": {"preset": "tiny", "vocab_size": 256}, "train": {"steps": 4}})
+    rt = runtime.initialize(cfg, runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
+    model = build_model(cfg, rt)
+    optimizer, _ = build_optimizer(cfg, model, rt.dtype)
+    [opt] = megatron_compat.distributed_optimizers(optimizer)
+    assert type(opt.optimizer) is torch.optim.AdamW
+    for buffer in model[0].buffers:
+        buffer.grad_data.fill_(0.5)
+    updated, grad_norm, _ = optimizer.step()
+    assert updated and grad_norm > 0, grad_norm
+    print("OK")
+    """
+)
+
+
+def test_a_cpu_run_steps_with_torch_ops_where_transformer_engine_imports():
+    """Where TE imports, megatron's optimizer modules bind its fused CUDA Adam and multi-tensor
+    ops, GPU or not; CI has no TE, so that binding is made by hand before the runtime starts. The
+    CPU runtime puts back torch's AdamW and megatron's local ops, and a step runs. (On the dev
+    machine with TE 2.11 installed, the demo's first step failed in CUDA without this.)"""
+    from megatron.core import optimizer as mcore_optimizers
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    # megatron still chooses through these module-level names.
+    chooser = inspect.getsource(mcore_optimizers._get_megatron_optimizer_based_on_param_groups)
+    assert "USING_PYTORCH_OPTIMIZER" in chooser and "adam_cls = Adam" in chooser
+    assert "multi_tensor_applier(\n" in inspect.getsource(clip_grads.get_grad_norm_fp32)
+    assert "multi_tensor_applier(multi_tensor_scale_impl" in inspect.getsource(mcore_optimizer)
+    result = run_tool("-c", TE_BOUND_SCRIPT, check=False)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
