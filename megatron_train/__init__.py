@@ -32,3 +32,5 @@ if not os.path.exists("/proc/driver/nvidia/version"):
 warnings.filterwarnings(
     "ignore", message=r".*`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
 )
+# megatron-core 0.16's checkpoint loading calls torch.distributed.checkpoint's deprecated name.
+warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)
