@@ -1,5 +1,6 @@
 """megatron-train: LLM pretraining on megatron-core."""
 
+import logging
 import os
 import sys
 import warnings
@@ -31,6 +32,11 @@ if not os.path.exists("/proc/driver/nvidia/version"):
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 warnings.filterwarnings(
     "ignore", message=r".*`torch.distributed.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated"
+)
+# A CUDA build of torch on a machine without a GPU (a login node running preflight or a tool) logs,
+# when its extension builder is imported, that it found no CUDA runtime; nothing is built there.
+logging.getLogger("torch.utils.cpp_extension").addFilter(
+    lambda record: not record.getMessage().startswith("No CUDA runtime is found")
 )
 # megatron-core 0.16's checkpoint loading calls torch.distributed.checkpoint's deprecated name.
 warnings.filterwarnings("ignore", message="`load_state_dict` is deprecated", category=FutureWarning)

@@ -105,6 +105,21 @@ def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
     assert "parallel.tensor" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_cuda_torch_on_a_machine_without_gpu_adds_no_line_to_an_error():
+    """A login node with a CUDA build of torch: importing its extension builder logs that no CUDA
+    runtime was found (seen with torch 2.11+cu130), a line above every one-line error."""
+    import logging
+
+    import megatron_train  # noqa: F401  (sets the filter)
+
+    def kept(message: str) -> bool:
+        record = logging.LogRecord("torch.utils.cpp_extension", logging.WARNING, "", 0, message, (), None)
+        return bool(logging.getLogger("torch.utils.cpp_extension").filter(record))
+
+    assert not kept("No CUDA runtime is found, using CUDA_HOME='/usr/local'")
+    assert kept("Error checking compiler version for c++")
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     cfg = load_config(path)
