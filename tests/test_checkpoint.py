@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import resource
@@ -57,7 +58,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every descendant at once (torchrun puts workers in new sessions)."""
     tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     for p in tree:
-        p.send_signal(signal.SIGKILL)
+        # A short-lived descendant may have exited since the listing.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
     psutil.wait_procs(tree, timeout=30)
     proc.wait()
 
