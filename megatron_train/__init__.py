@@ -9,19 +9,23 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-# The model families are the checkout's top-level models/ folder, installed as megatron_train.models
-# (pyproject's package-dir). Imported from a checkout beside a wheel install (`python -m
-# megatron_train.train` in the repository root on an air-gapped node), this package has no models/
-# inside, so the name is mapped to that folder here, as an editable install maps it.
-_checkout_models = Path(__file__).resolve().parent.parent / "models"
-if not Path(__file__).with_name("models").is_dir() and (_checkout_models / "registry.py").is_file():
-    _spec = spec_from_file_location(
-        f"{__name__}.models",
-        _checkout_models / "__init__.py",
-        submodule_search_locations=[str(_checkout_models)],
+
+def _map_checkout_families() -> None:
+    """The model families are the checkout's top-level models/ folder, installed as
+    megatron_train.models (pyproject's package-dir). Imported from a checkout beside a wheel install
+    (`python -m megatron_train.train` in the repository root on an air-gapped node), this package
+    has no models/ inside, so the name is mapped to that folder here, as an editable install does."""
+    folder = Path(__file__).resolve().parent.parent / "models"
+    if Path(__file__).with_name("models").is_dir() or not (folder / "registry.py").is_file():
+        return
+    spec = spec_from_file_location(
+        f"{__name__}.models", folder / "__init__.py", submodule_search_locations=[str(folder)]
     )
-    models = sys.modules[_spec.name] = module_from_spec(_spec)
-    _spec.loader.exec_module(models)
+    sys.modules[spec.name] = module = module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+_map_checkout_families()
 
 # Known, harmless start-up noise from our dependencies; anything else still shows. Without a GPU,
 # Transformer Engine and apex cannot be used, so megatron-core's notes that it falls back without
