@@ -45,6 +45,21 @@ def dataset_files(prefix: Path) -> Iterator[tuple[Path, Path]]:
         tmp_idx.unlink(missing_ok=True)
 
 
+def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
+    """The checked ``--output-prefix`` ``text``: it names files (not a folder), their folder is
+    writable or can be made, and none of ``prefix`` + suffix exists yet."""
+    if not text or text.endswith(("/", os.sep)) or Path(text).name in ("", ".", ".."):
+        raise ConfigError(
+            key,
+            f"{text!r} names a folder, not files: the output would go beside it",
+            f"end it with a file name stem, e.g. {os.path.join(text or '.', 'corpus')}",
+        )
+    prefix = Path(text)
+    check_output_dir(key, prefix.parent)
+    check_new_files(key, prefix, suffixes)
+    return prefix
+
+
 def check_new_files(key: str, prefix: Path, suffixes: tuple[str, ...]) -> None:
     """No ``prefix`` + suffix file exists yet: a dataset or tokenizer that took hours to make is
     not replaced by a mistyped prefix."""

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -1105,6 +1108,21 @@ CASES = [
         "--vocab-size",
     ),
     Case(
+        "tokenizer-vocab-below-the-text-s-characters",
+        "tokenizer",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/t/spm",
+            "--vocab-size",
+            "100",
+            "--max-sentences",
+            "200",
+        ),
+        "set --vocab-size to at least",
+    ),  # fmt: skip
+    Case(
         "tokenizer-vocab-0",
         "tokenizer",
         _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/t/spm", "--vocab-size", "0"),
@@ -1167,6 +1185,32 @@ CASES = [
         _args("--input", "WS/corpus/stdlib", "--output-prefix", "WS/corpus/stdlib"),
         "already exists",
     ),
+    # an output prefix ending in a separator names a folder; its files would land beside it
+    Case(
+        "merge-prefix-is-a-folder",
+        "merge",
+        _args("--input", "WS/corpus/stdlib", "--output-prefix", "WS/corpus/"),
+        "names a folder",
+    ),
+    Case(
+        "preprocess-prefix-is-a-folder",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/corpus/",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "names a folder",
+    ),  # fmt: skip
+    Case(
+        "tokenizer-prefix-is-a-folder",
+        "tokenizer",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/corpus/", "--vocab-size", "300"),
+        "names a folder",
+    ),
 ]
 
 
@@ -1203,6 +1247,44 @@ def test_bad_input_is_one_line_and_touches_nothing(ws, corpus, case, capfd, monk
     else:
         assert case.says in out, out[-3000:]
     assert _hashes(ws, corpus["prefix"].parent) == before
+
+
+def test_each_entry_point_alone_in_its_process_prints_only_the_error_line(ws):
+    """In-process cases share a process that has imported megatron_train first; a process of its
+    own shows what a user sees, such as a dependency's import-time warnings above the error."""
+    commands = {"train": ["-m", "megatron_train.train"], "preflight": ["-m", "megatron_train.preflight"],
+                "submit": ["launch/submit.py"], "convert": ["tools/convert_checkpoint.py"],
+                "generate": ["tools/generate.py"], "inspect": ["tools/inspect_checkpoint.py"],
+                "preprocess": ["tools/preprocess_data.py"], "merge": ["tools/merge_datasets.py"],
+                "tokenizer": ["tools/train_tokenizer.py"]}  # fmt: skip
+    first = {}
+    for case in CASES:
+        if case.setup is None and case.code == 2:
+            first.setdefault(case.entry, case)
+    assert first.keys() == commands.keys()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # Started together: each spends its seconds importing torch and megatron-core.
+    running = {
+        entry: subprocess.Popen(
+            [
+                sys.executable,
+                *[str(ROOT / a) if a.endswith(".py") else a for a in commands[entry]],
+                *case.argv(ws),
+            ],
+            cwd=ws,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for entry, case in first.items()
+    }
+    for entry, process in running.items():
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 2, (entry, err[-3000:])
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), (entry, err[-3000:])
+        assert first[entry].says in lines[0], (entry, lines[0])
 
 
 def test_readme_lists_exit_codes_per_entry_point():

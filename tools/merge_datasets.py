@@ -17,12 +17,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
 from megatron_train import cli
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import check_indexed_dataset
-from megatron_train.outputs import check_new_files, check_output_dir, dataset_files, made_dir
+from megatron_train.outputs import dataset_files, made_dir, output_prefix
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +48,11 @@ def dataset_prefixes(specs: list[str]) -> list[str]:
 
 
 def merge(args: argparse.Namespace) -> None:
-    out = Path(args.output_prefix)
-    check_output_dir("--output-prefix", out.parent)
-    check_new_files("--output-prefix", out, (".bin", ".idx"))
+    # Imported only after megatron_train, whose import silences megatron-core's start-up notes
+    # (a merge on a CPU node would print them above every line).
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    out = output_prefix("--output-prefix", args.output_prefix, (".bin", ".idx"))
     prefixes = dataset_prefixes(args.input)
     dtypes = {prefix: check_indexed_dataset(prefix, key="--input") for prefix in prefixes}
     if len(set(dtypes.values())) > 1:

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_new_files, check_output_dir, dataset_files, made_dir
+from megatron_train.outputs import check_output_dir, dataset_files, made_dir, output_prefix
 from megatron_train.text_encoding import Encode, text_encoder
 from megatron_train.text_sources import SUFFIXES, input_files, read_texts
 from megatron_train.token_writer import TokenWriter, token_dtype
@@ -90,12 +90,11 @@ class Job:
 
 
 def preprocess(args: argparse.Namespace) -> None:
-    out = Path(args.output_dir or args.output_prefix)
     if args.output_dir:
+        out = Path(args.output_dir)
         check_output_dir("--output-dir", out)
     else:
-        check_output_dir("--output-prefix", out.parent)
-        check_new_files("--output-prefix", out, (".bin", ".idx"))
+        out = output_prefix("--output-prefix", args.output_prefix, (".bin", ".idx"))
     tokenizer = text_encoder(args.tokenizer_type, args.tokenizer, args.workers, key="--tokenizer")
     files = input_files(args.input)
     job = Job(

@@ -16,6 +16,7 @@ import argparse
 import errno
 import itertools
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +25,12 @@ import sentencepiece as spm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError, reason
-from megatron_train.outputs import check_new_files, check_output_dir, made_dir
+from megatron_train.outputs import made_dir, output_prefix
 from megatron_train.text_sources import input_files, iter_texts
 
 # SentencePiece rejects longer "sentences"; documents are fed in pieces of at most this size.
 _MAX_PIECE_CHARS = 4000
+_MAX_VOCAB = 2**31 - 1  # SentencePiece holds the size in an int32
 
 
 class _Pieces:
@@ -68,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(args: argparse.Namespace) -> None:
-    out = Path(args.output_prefix)
-    check_output_dir("--output-prefix", out.parent)
-    check_new_files("--output-prefix", out, (".model", ".vocab"))
+    if args.vocab_size > _MAX_VOCAB:
+        raise ConfigError(
+            "--vocab-size",
+            f"{args.vocab_size} is beyond SentencePiece's int32",
+            f"set it to at most {_MAX_VOCAB:,}",
+        )
+    out = output_prefix("--output-prefix", args.output_prefix, (".model", ".vocab"))
     texts = iter_texts(input_files(args.input), args.text_key)
     first = next(texts, None)
     if first is None:
@@ -110,18 +116,38 @@ def _train(texts: Iterator[str], args: argparse.Namespace, prefix: Path) -> None
             minloglevel=2,
         )  # fmt: skip
     # SentencePiece raises RuntimeError when the text cannot give this vocabulary, and ValueError
-    # for a size beyond its int32.
+    # for an option it cannot parse.
     except (RuntimeError, ValueError) as err:
         if pieces.failure is None:
             if "output->Write" in str(err):
                 # Its output files are open by then (the prefix was checked writable): a write
                 # fails only for want of room.
                 raise OSError(errno.ENOSPC, "SentencePiece could not write its model and vocabulary") from err
-            raise ConfigError(
-                "--vocab-size", f"SentencePiece refused to train: {reason(err)}", "lower it or add text"
-            ) from err
+            raise _vocab_size_error(args.vocab_size, err) from err
     if pieces.failure is not None:
         raise pieces.failure
+
+
+def _vocab_size_error(size: int, err: Exception) -> ConfigError:
+    """SentencePiece's refusal of ``size`` as one line: its bound, when it names one, and the way
+    past it."""
+    message = str(err)
+    if found := re.search(r"smaller than required_chars\. \d+ vs (\d+)", message):
+        return ConfigError(
+            "--vocab-size",
+            f"{size} pieces cannot hold the {found[1]} this text requires (each of its characters, "
+            "the 256 bytes and the special pieces, for a lossless tokenizer)",
+            f"set --vocab-size to at least {found[1]}",
+        )
+    if found := re.search(r"too high \(\d+\)\. Please set it to a value <= (\d+)", message):
+        return ConfigError(
+            "--vocab-size",
+            f"this text yields at most {found[1]} pieces, fewer than {size}",
+            f"set --vocab-size to at most {found[1]}, or train on more text",
+        )
+    return ConfigError(
+        "--vocab-size", f"SentencePiece refused to train: {reason(err)}", "change it or add text"
+    )
 
 
 if __name__ == "__main__":
