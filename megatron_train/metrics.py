@@ -102,14 +102,15 @@ class MetricsLogger:
         """Start timing steps (just before the first one)."""
         self._interval_start, self._interval_steps = time.perf_counter(), 0
 
-    def after_step(self, step: int, loss: float, lr: float, grad_norm: float, skipped: int,
+    def after_step(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float, skipped: int,
                    moe: dict[str, float] | None = None) -> None:  # fmt: skip
-        """Count a step; at each ``logging.log_interval`` and the last step, log the interval."""
+        """Count a step (``tokens`` trained on so far); at each ``logging.log_interval`` and the
+        last step, log the interval."""
         self._interval_steps += 1
         if not self.logs_at(step):
             return
         step_time = (time.perf_counter() - self._interval_start) / self._interval_steps
-        self.log_train(step, loss, lr, grad_norm, step_time, skipped, moe)
+        self.log_train(step, tokens, loss, lr, grad_norm, step_time, skipped, moe)
         self.start_interval()
 
     def logs_at(self, step: int) -> bool:
@@ -117,8 +118,8 @@ class MetricsLogger:
         answer on every rank."""
         return step % self.log_interval == 0 or step == self.total_steps
 
-    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, step_time: float,
-                  skipped: int, moe: dict[str, float] | None = None) -> None:  # fmt: skip
+    def log_train(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float,
+                  step_time: float, skipped: int, moe: dict[str, float] | None = None) -> None:  # fmt: skip
         """One interval's line; ``step_time`` is the mean seconds per step over the interval;
         ``moe`` holds a mixture of experts' router figures over the interval (``RouterStats``)."""
         if not self.enabled:
@@ -127,7 +128,7 @@ class MetricsLogger:
         tflops = self.flops_per_step / step_time / self.world_size / 1e12
         record = {
             "step": step,
-            "consumed_tokens": step * self.tokens_per_step,
+            "consumed_tokens": tokens,
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,

@@ -118,13 +118,14 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in model]
     evaluator = Evaluator(cfg, stepper, valid_ds, log)
     log.start_interval()
-    exit_code = EXIT_OK
+    exit_code, batch = EXIT_OK, cfg.train.global_batch_size
     try:
         for step in range(progress.iteration + 1, cfg.train.steps + 1):
             result = stepper.train_step(train_iters, logged=log.logs_at(step))
             result.check_finite(step)
-            progress = progress.advanced(cfg.train.global_batch_size, result.skipped)
-            log.after_step(step, result.loss, result.lr, result.grad_norm, progress.skipped_steps, result.moe)
+            progress = progress.advanced(batch, batch * cfg.data.seq_length, result.skipped)
+            log.after_step(step, progress.consumed_tokens, result.loss, result.lr, result.grad_norm,
+                           progress.skipped_steps, result.moe)  # fmt: skip
             evaluator.after_step(step)
             decision = watch.decide()
             checkpointer.after_step(progress, decision, model, optimizer, scheduler)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_train.checkpoint import files
+from megatron_train.checkpoint.state import Progress
 from tests.conftest import (
     ROOT,
     records,
@@ -310,6 +311,23 @@ def test_bad_load_requests_are_clear_errors(tmp_path, trained):
     assert "checkpoint shape (4, 704, 128), model shape (4, 512, 128)" in mismatch.stderr
 
 
+def test_tokens_are_counted_on_across_a_resume_that_changes_batch_and_sequence(tmp_path, trained):
+    """A resumed run may change the batch (as a batch-size ramp does) and the sequence length; the
+    token count goes on from the checkpoint's own, not from step x tokens per step."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    result = single_rank(
+        trained["config"], f"logging.run_dir={run}", "train.steps=6", "train.global_batch_size=16",
+        "data.seq_length=48",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(32 samples, 2,048 tokens consumed;" in result.stdout
+    tokens = {r["step"]: r["consumed_tokens"] for r in records(run) if "consumed_tokens" in r}
+    assert tokens[4] == 4 * 8 * 64 and tokens[5] == tokens[4] + 16 * 48 and tokens[6] == tokens[5] + 16 * 48
+    # A checkpoint written before tokens were counted: its samples at its own sequence length.
+    assert Progress.saved({"iteration": 4, "consumed_samples": 32}, 64) == Progress(4, 32, 0, 2048)
+
+
 def test_finetune_loads_weights_only(tmp_path, trained):
     result = single_rank(
         trained["config"], f"checkpoint.load={trained['save_dir']}", "checkpoint.finetune=true",
@@ -325,7 +343,8 @@ def test_finetune_loads_weights_only(tmp_path, trained):
 def test_checkpoint_contents_are_plain_and_inspectable(trained):
     latest = files.iteration_dir(trained["save_dir"], 4)
     common = torch.load(latest / "common.pt", weights_only=True)
-    assert common["progress"] == {"iteration": 4, "consumed_samples": 32, "skipped_steps": 0}
+    progress = {"iteration": 4, "consumed_samples": 32, "skipped_steps": 0, "consumed_tokens": 32 * 64}
+    assert common["progress"] == progress
     assert (trained["save_dir"] / files.TRACKER).read_text() == "4\n"
     record = files.verify(latest, checksums=True)
     assert {"common.pt", "metadata.json", ".metadata"} <= set(record["files"])

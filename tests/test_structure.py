@@ -183,7 +183,7 @@ def test_validation_and_log_cadence(tmp_path):
     log.open(0)
     log.start_interval()
     for step in range(1, 8):
-        log.after_step(step, loss=1.0, lr=1e-3, grad_norm=0.5, skipped=0)
+        log.after_step(step, tokens=step * 512, loss=1.0, lr=1e-3, grad_norm=0.5, skipped=0)
     log.close()
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [2, 4, 6, 7]

@@ -35,9 +35,11 @@ def _common_lines(common: dict) -> list[str]:
 
     progress, layout, cfg = common["progress"], common["layout"], common["config"]
     m, t, o = cfg["model"], cfg["train"], cfg["optimizer"]
+    tokens = f", {progress['consumed_tokens']:,} tokens" if "consumed_tokens" in progress else ""
     return [
         f"iteration:   {progress['iteration']} of {t['steps']} "
-        f"({progress['consumed_samples']:,} samples consumed, {progress['skipped_steps']} skipped steps)",
+        f"({progress['consumed_samples']:,} samples{tokens} consumed, "
+        f"{progress['skipped_steps']} skipped steps)",
         f"written by:  megatron-train {common.get('version', '?')} at {Layout(**layout).describe()} "
         f"({layout['world_size']} ranks); optimizer state {optimizer_format(common)}",
         f"model:       {m.get('preset') or 'custom'}: {m['num_layers']} layers, hidden {m['hidden_size']}, "

@@ -365,7 +365,7 @@ class Checkpointer:
                 "from an end-of-run or stop save"
             ) from err
         scheduler.load_state_dict(loaded["scheduler"])
-        progress = Progress(**loaded["progress"])
+        progress = Progress.saved(loaded["progress"], common["config"]["data"]["seq_length"])
         if saved == now:
             restore_rng(loaded["rng_state"])
             how = "same layout, RNG states restored"
@@ -375,6 +375,6 @@ class Checkpointer:
             how += "; read in parallel over data-parallel ranks"
         self.log(
             f"resumed from {path} at step {progress.iteration} "
-            f"({progress.consumed_samples:,} samples consumed; {how})"
+            f"({progress.consumed_samples:,} samples, {progress.consumed_tokens:,} tokens consumed; {how})"
         )
         return progress

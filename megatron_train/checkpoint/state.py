@@ -87,12 +87,24 @@ class Progress:
     iteration: int
     consumed_samples: int
     skipped_steps: int = 0
+    consumed_tokens: int = 0
+    """Counted step by step, as a resumed run may change train.global_batch_size or
+    data.seq_length."""
 
-    def advanced(self, samples: int, skipped: bool) -> Progress:
-        """Where training stands after one more step of ``samples`` samples."""
+    def advanced(self, samples: int, tokens: int, skipped: bool) -> Progress:
+        """Where training stands after one more step of ``samples`` samples and ``tokens`` tokens."""
         return Progress(
-            self.iteration + 1, self.consumed_samples + samples, self.skipped_steps + int(skipped)
+            self.iteration + 1,
+            self.consumed_samples + samples,
+            self.skipped_steps + int(skipped),
+            self.consumed_tokens + tokens,
         )
+
+    @classmethod
+    def saved(cls, record: dict, seq_length: int) -> Progress:
+        """The progress a checkpoint recorded; one written before tokens were counted had trained
+        at the ``seq_length`` its config records."""
+        return cls(**{"consumed_tokens": record["consumed_samples"] * seq_length, **record})
 
 
 def metadata(cfg: ExperimentConfig, layout: Layout) -> dict:
