@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -19,6 +20,13 @@ def report(err: BaseException | str) -> None:
     print("error: " + " ".join(str(err).split()), file=sys.stderr, flush=True)
 
 
+def report_once(err: BaseException | str) -> None:
+    """:func:`report` from the first rank only: under torchrun or srun every rank meets the same
+    bad input, and the user should read it once."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        report(err)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a usage mistake reported as one line (not the usage text) and exit code 2."""
 
@@ -27,7 +35,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(**kwargs)
 
     def error(self, message: str) -> NoReturn:
-        report(f"{message}. Fix: see {self.prog} --help")
+        report_once(f"{message}. Fix: see {self.prog} --help")
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -74,7 +82,7 @@ def run(body: Callable[[], None]) -> int:
     try:
         body()
     except BAD_INPUT as err:
-        report(err)
+        report_once(err)
         return EXIT_BAD_INPUT
     except BaseException as err:  # torch's CheckpointException is a BaseException
         if (line := no_room(err, "the output", "free space where it goes or write it elsewhere")) is None:

@@ -10,6 +10,7 @@ that does so, and :func:`enable` refuses to run when CUDA is available.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -203,6 +204,9 @@ def enable() -> None:
     torch.Tensor.cuda = _tensor_cuda
     torch.Tensor.type = _tensor_type
     _CpuDeviceMode().__enter__()
+    # megatron-core's notes on the CPU path (fused kernels unavailable, CUDA settings that do not
+    # apply, deprecations on the ShardedTensor it builds here) say nothing a CPU run can act on.
+    warnings.filterwarnings("ignore", module="megatron")
     _ENABLED = True
 
 

@@ -11,11 +11,12 @@ failure names the first failed rank and exits 1.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from torch.distributed.run import determine_local_world_size, parse_args, run
 
 from megatron_train import cli
 from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
@@ -49,6 +50,10 @@ def exit_code(err: ChildFailedError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # torchrun sets one OpenMP thread per rank itself when several share a node, with a banner
+    # above the ranks' output (and above a one-line error) saying so.
+    if determine_local_world_size(args.nproc_per_node) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietReportedExits())
     try:
         run(args)

@@ -1,4 +1,5 @@
-"""Pretrain a model: ``torchrun --nproc-per-node N -m megatron_train.train --config X.yaml [k=v ...]``.
+"""Pretrain a model: ``launch/local.sh N --config X.yaml [k=v ...]`` on one node, which runs
+``torchrun --nproc-per-node N -m megatron_train.train --config X.yaml [k=v ...]``.
 
 Exit codes: 0 done; 1 training failed (e.g. a NaN loss); 2 bad config, input or checkpoint;
 3 stopped early by a signal (SIGTERM, SIGUSR1, SIGINT) or train.exit_after_minutes after saving a
@@ -11,7 +12,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -177,9 +177,6 @@ def _main(argv: list[str] | None) -> int:
         if env.rank == 0:
             cli.report(err)
         return EXIT_BAD_CONFIG
-    if not torch.cuda.is_available():
-        # Without a GPU, megatron-core's notes that fused kernels are unavailable are expected.
-        warnings.filterwarnings("ignore", module="megatron")
     rt = runtime.initialize(cfg, env)
     try:
         run_dir, exit_code = train(cfg, rt)

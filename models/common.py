@@ -65,5 +65,8 @@ def shared_options(cfg: ExperimentConfig, params_dtype: torch.dtype, use_transfo
         cross_entropy_fusion_impl="te" if use_transformer_engine else "native",
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
+        # megatron-core 0.16's default, "full", warns on every config that it is deprecated; the
+        # empty list is the same whole-layer scope (and no CUDA graph is captured here).
+        cuda_graph_scope=[],
         **recompute_options(m),
     )

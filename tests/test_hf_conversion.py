@@ -151,13 +151,23 @@ def test_export_shards_large_models_and_transformers_loads_them(tmp_path, hf_mod
 
 @pytest.mark.slow
 def test_greedy_generation_matches_transformers_at_tp2(hf_models, imported):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "tools/generate.py", "--ckpt", str(imported["qwen2"]), "--tp", "2", "--prompt-ids", "5,7,9",
-         "--max-new-tokens", "8"],
-        cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    """Launched as README shows; the ranks say a bad input once and add nothing to a good run."""
+
+    def generate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2",
+             "tools/generate.py", "--ckpt", str(imported["qwen2"]), *args],
+            cwd=ROOT, env=env or torchrun_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    result = generate("--tp", "2", "--prompt-ids", "5,7,9", "--max-new-tokens", "8")
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr[-3000:]
+    # Without OMP_NUM_THREADS, which torchrun then sets with a banner of its own.
+    unset = {k: v for k, v in torchrun_env().items() if k != "OMP_NUM_THREADS"}
+    bad = generate("--tp", "2", "--prompt-ids", "5,x", env=unset)
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "error: config error at '--prompt-ids': '5,x' is not a list of integers. Fix: write ids like 1,42,7"
+    ], bad.stderr[-3000:]
     ours = [int(i) for i in result.stdout.split("ids:")[1].split()[0].split(",")]
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_models["qwen2"], dtype=torch.float32)
     theirs = model.generate(torch.tensor([[5, 7, 9]]), max_new_tokens=8, do_sample=False)[0, 3:].tolist()

@@ -1,7 +1,8 @@
 """Sample text from a megatron-train checkpoint, as a sanity check (no KV cache: short outputs only).
 
     python tools/generate.py --ckpt runs/demo/checkpoints --prompt "def main(" --max-new-tokens 40
-    torchrun --nproc-per-node 4 tools/generate.py --ckpt ckpt/llama --tp 2 --pp 2 --top-p 0.9 --prompt "Hi"
+    python -m megatron_train.torchrun --nproc-per-node 4 tools/generate.py --ckpt ckpt/llama \
+        --tp 2 --pp 2 --top-p 0.9 --prompt "Hi"
 
 Greedy by default; ``--top-p`` samples from the smallest set of tokens whose probability reaches p
 (at ``--temperature``, seeded by ``--seed``). Runs at any TP x PP that fills the launched ranks.
