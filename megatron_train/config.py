@@ -342,8 +342,9 @@ class CheckpointConfig:
     ``<logging.run_dir>/checkpoints``."""
     load: FilePath = "auto"
     """``auto``: resume from the newest complete checkpoint in save_dir, or start fresh and say
-    so. ``none``: always start fresh. Anything else is a path (a save dir or one ``iter_*``
-    checkpoint) that must exist and be complete, or the run stops with an error."""
+    so. ``none``: always start fresh. Anything else is a path (one ``iter_*`` checkpoint, a save
+    dir, or a run directory saving to its default ``checkpoints/``) that must exist and be
+    complete, or the run stops with an error."""
     finetune: bool = False
     """Load only the model weights from ``load``; optimizer, LR schedule, step and data
     position start fresh."""
@@ -625,9 +626,13 @@ def to_dict(cfg: ExperimentConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+SAVE_DIR_IN_RUN = "checkpoints"
+"""The save dir's name inside logging.run_dir when checkpoint.save_dir is not set."""
+
+
 def checkpoint_dir(cfg: ExperimentConfig) -> Path:
     """The directory checkpoints are saved to."""
-    return Path(cfg.checkpoint.save_dir or Path(cfg.logging.run_dir) / "checkpoints")
+    return Path(cfg.checkpoint.save_dir or Path(cfg.logging.run_dir) / SAVE_DIR_IN_RUN)
 
 
 def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:

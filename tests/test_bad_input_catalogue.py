@@ -903,7 +903,7 @@ CASES = [
     ),
     # inspect (exit 2: no checkpoint; 1: torn or corrupt, reported on stdout)
     Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist"),
-    Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "neither a checkpoint"),
+    Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "holds no checkpoint"),
     Case(
         "inspect-common-garbage",
         "inspect",

@@ -97,8 +97,15 @@ def test_explicit_paths_must_be_complete(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         files.resolve_explicit(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="neither a checkpoint nor a save dir"):
+    with pytest.raises(CheckpointError, match="holds no checkpoint: give a checkpoint"):
         files.resolve_explicit(tmp_path / "empty")
+
+
+def test_a_run_directory_names_the_checkpoints_in_its_default_save_dir(tmp_path):
+    save_dir = tmp_path / "run" / "checkpoints"
+    save_dir.mkdir(parents=True)
+    good = make_checkpoint(save_dir, 10)
+    assert files.resolve_explicit(tmp_path / "run") == good
 
 
 def test_tracker_update_overwrites_and_leaves_no_temp_files(tmp_path):

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "--vocab-pad-multiple", type=cli.positive_int, default=128, help="pad the vocabulary to this"
     )
     exp = commands.add_parser("export-hf", help="checkpoint -> Hugging Face directory")
-    exp.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir or save dir)")
+    exp.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir, save dir or run dir)")
     exp.add_argument("--out", type=Path, required=True, help="new Hugging Face model directory")
     exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
     exp.add_argument("--max-shard-gib", type=cli.positive_float, default=5.0, help="largest safetensors file")

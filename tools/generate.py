@@ -70,7 +70,9 @@ def check_length(prompt: int, new: int, positions: int, prompt_key: str) -> None
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir or save dir)")
+    parser.add_argument(
+        "--ckpt", type=Path, required=True, help="checkpoint (iter_* dir, save dir or run dir)"
+    )
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (empty: from the BOS token)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")

@@ -17,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_train.config import SAVE_DIR_IN_RUN
 from megatron_train.errors import CheckpointError
 
 RECORD = "complete.json"
@@ -161,15 +162,19 @@ def find_latest_complete(save_dir: Path, checksums: bool = False) -> ResumePoint
 
 def locate(path: Path) -> Path:
     """The checkpoint ``path`` names: itself when it is one (``iter_*`` or holding a record),
-    otherwise the newest ``iter_*`` in it (a save dir), complete or not."""
+    otherwise the newest ``iter_*`` in it (a save dir) or in its ``checkpoints/`` (a run
+    directory saving where it does by default), complete or not."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{str(path)!r} does not exist")
     if iteration_of(path) is not None or (path / RECORD).exists():
         return path
-    dirs = checkpoint_dirs(path)
+    dirs = checkpoint_dirs(path) or checkpoint_dirs(path / SAVE_DIR_IN_RUN)
     if not dirs:
-        raise CheckpointError(f"{str(path)!r} is neither a checkpoint nor a save dir holding one")
+        raise CheckpointError(
+            f"{str(path)!r} holds no checkpoint: give a checkpoint (iter_*), the save dir holding them, "
+            f"or a run directory with a {SAVE_DIR_IN_RUN}/ folder"
+        )
     return dirs[0]
 
 
