@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from megatron_train import cli, runtime
+from megatron_train import cli, run_lock, runtime
 from megatron_train.checkpoint.manager import SaveFailed
-from megatron_train.config import ExperimentConfig, to_dict
+from megatron_train.config import ConfigError, ExperimentConfig, checkpoint_dir, to_dict
 from megatron_train.errors import BAD_INPUT
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
@@ -57,6 +57,29 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
         log.close()
 
 
+def hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> None:
+    """Lock the run directory and save dir against a second run (``run_lock``): those that exist,
+    or, with ``create``, both after making them. Rank 0 decides and every rank agrees."""
+    outcome: list = [[]]
+    if rt.is_main:
+        try:
+            for key, folder in (
+                ("logging.run_dir", Path(cfg.logging.run_dir)),
+                ("checkpoint.save_dir", checkpoint_dir(cfg)),
+            ):
+                if create:
+                    folder.mkdir(parents=True, exist_ok=True)
+                if folder.is_dir() and (note := run_lock.hold(key, folder)):
+                    outcome[0].append(note)
+        except ConfigError as err:
+            outcome = [err]
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], ConfigError):
+        raise outcome[0]
+    for note in outcome[0]:
+        log.info(note)
+
+
 def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch, checkpointer) -> int:
     """The body of :func:`train`: model, resume, data, then the step loop; returns the exit code."""
     from megatron.core import parallel_state
@@ -75,6 +98,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
 
+    hold_run_folders(cfg, rt, log, create=False)
     resume_from = checkpointer.resolve()
     start_from = None if resume_from else warm_start.locate(cfg, rt.is_main, log.info)
     model = build_model(cfg, rt)
@@ -86,6 +110,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     elif start_from is not None:
         warm_start.load(start_from, cfg, model, optimizer, log.info)
     # Only now, with every input checked, does the run directory change.
+    hold_run_folders(cfg, rt, log, create=True)
     log.open(progress.iteration)
     checkpointer.start_writer()
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)

@@ -208,16 +208,28 @@ def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_p
     assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 3))
 
 
-def test_sigusr1_to_a_rank_saves_and_exits_with_code_3(tmp_path, corpus):
+def test_a_second_start_in_a_running_run_is_refused_and_sigusr1_saves_with_code_3(tmp_path, corpus):
     config = write_config(
-        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
-    )
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run",
+        train={"steps": 400, "eval_interval": 0}, checkpoint={"interval": 2},
+    )  # fmt: skip
     log = tmp_path / "run.log"
     proc = start([sys.executable, "-m", "megatron_train.train", "--config", str(config)], log)
-    wait_for(lambda: "step 2/" in log.read_text(), proc, log, poll=0.05)
+    wait_for(lambda: "checkpoint step 2 complete" in log.read_text(), proc, log, poll=0.05)
+    # The same job started again (submitted twice): it would resume from a checkpoint the running
+    # one is about to delete and rewrite its metrics.
+    second = single_rank(config)
+    assert second.returncode == EXIT_BAD_INPUT and second.stderr.splitlines() == [
+        f"error: config error at 'logging.run_dir': {(tmp_path / 'run').resolve()} belongs to a training "
+        "run that is still going (another process holds its lock). Fix: wait for that run to end or stop "
+        "it, or set logging.run_dir to another directory"
+    ], second.stderr[-3000:]
+    assert "resumed from" not in second.stdout
     proc.send_signal(signal.SIGUSR1)  # what Slurm's --signal delivers to each srun task
     assert proc.wait(timeout=120) == EXIT_STOPPED_EARLY, log.read_text()[-3000:]
     assert "on signal SIGUSR1" in log.read_text()
+    stopped_at = int((tmp_path / "run" / "checkpoints" / files.TRACKER).read_text())
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 1))
     assert files.find_latest_complete(tmp_path / "run" / "checkpoints").path is not None
 
 

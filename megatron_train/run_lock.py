@@ -1,0 +1,56 @@
+"""One training run at a time in a run directory (and its save dir). A second start while the
+first still runs (a job submitted twice, a manual restart next to a running job) would resume
+from a checkpoint the first is about to delete, rewrite its metrics.jsonl and race it for the
+same checkpoint folders; it is refused instead.
+
+The lock is the kernel's advisory lock (flock) on the directory itself: nothing is written into
+the run, and the lock ends with the process however it ends (kill -9 included), so there is no
+stale lock to clear by hand. Forked children (the async checkpoint writer, data loader workers)
+close their copy, so a child that outlives its parent never holds it. A file system without
+such locks (some NFS and Lustre mounts) leaves the run unlocked, with a note saying so.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from megatron_train.errors import ConfigError
+
+_held: dict[Path, int] = {}
+
+
+def _close_in_child() -> None:
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def hold(key: str, folder: Path) -> str | None:
+    """Lock the existing directory ``folder`` for the rest of this process (nothing to do when
+    this process holds it already). Returns a note when the file system offers no lock; raises
+    ConfigError, naming ``key``, when another process holds it."""
+    folder = Path(folder).resolve()
+    if folder in _held:
+        return None
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            key,
+            f"{folder} belongs to a training run that is still going (another process holds its lock)",
+            f"wait for that run to end or stop it, or set {key} to another directory",
+        ) from None
+    except OSError as err:
+        os.close(fd)
+        return (
+            f"{folder}: its file system offers no lock ({err.strerror}), so nothing stops a second run there"
+        )
+    _held[folder] = fd
+    return None
