@@ -1,9 +1,9 @@
 """Pretrain a model: ``launch/local.sh N --config X.yaml [k=v ...]`` on one node, which runs
 ``torchrun --nproc-per-node N -m megatron_train.train --config X.yaml [k=v ...]``.
 
-Exit codes: 0 done; 1 training failed (e.g. a NaN loss); 2 bad config, input or checkpoint;
-3 stopped early by a signal (SIGTERM, SIGUSR1, SIGINT) or train.exit_after_minutes after saving a
-checkpoint: run the same command again to resume.
+Exit codes: 0 done; 1 training failed (e.g. a NaN loss); 2 bad config, input or checkpoint, or a
+run directory another run still holds; 3 stopped early by a signal (SIGTERM, SIGUSR1, SIGINT) or
+train.exit_after_minutes after saving a checkpoint: run the same command again to resume.
 """
 
 from __future__ import annotations
