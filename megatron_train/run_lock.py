@@ -32,13 +32,14 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 def hold(key: str, folder: Path) -> str | None:
     """Lock the existing directory ``folder`` for the rest of this process (nothing to do when
-    this process holds it already). Returns a note when the file system offers no lock; raises
-    ConfigError, naming ``key``, when another process holds it."""
+    this process holds it already). Returns a note when it cannot be locked (a file system
+    without locks); raises ConfigError, naming ``key``, when another process holds it."""
     folder = Path(folder).resolve()
     if folder in _held:
         return None
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fd = None
     try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
@@ -48,9 +49,8 @@ def hold(key: str, folder: Path) -> str | None:
             f"wait for that run to end or stop it, or set {key} to another directory",
         ) from None
     except OSError as err:
-        os.close(fd)
-        return (
-            f"{folder}: its file system offers no lock ({err.strerror}), so nothing stops a second run there"
-        )
+        if fd is not None:
+            os.close(fd)
+        return f"{folder} cannot be locked ({err.strerror}), so nothing stops a second run there"
     _held[folder] = fd
     return None
