@@ -169,11 +169,13 @@ class ModelConfig:
     """Activation recomputation, memory for compute: ``selective`` recomputes the submodules in
     model.recompute_modules during backward; ``full`` keeps only layer inputs and recomputes
     whole layers (model.recompute_method and model.recompute_num_layers say which)."""
-    recompute_modules: list[Literal["core_attn", "mlp", "layernorm"]] = field(
+    recompute_modules: list[Literal["core_attn", "mlp", "layernorm", "moe", "shared_experts"]] = field(
         default_factory=lambda: ["core_attn"]
     )
-    """For ``selective``: any of ``core_attn`` (attention), ``mlp`` (the SwiGLU MLP) and
-    ``layernorm`` (both norms of the local spec; Transformer Engine fuses them into the linears)."""
+    """For ``selective``: any of ``core_attn`` (attention), ``layernorm`` (both norms of the local
+    spec; Transformer Engine fuses them into the linears), and for the MLP: ``mlp`` (a dense
+    model's SwiGLU MLP), ``moe`` (a mixture of experts' whole layer: router, dispatch, experts,
+    shared expert) or ``shared_experts`` (only its shared expert)."""
     recompute_method: Literal["uniform", "block"] = "uniform"
     """For ``full``: ``uniform`` recomputes every layer, in groups of model.recompute_num_layers
     whose inputs are kept; ``block`` recomputes the first model.recompute_num_layers layers of each
@@ -863,7 +865,7 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> Non
         )
 
 
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "shared_experts")
 
 
 def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
@@ -888,12 +890,39 @@ def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
                 + (f" ({bad!r} unknown)" if bad else ""),
                 f"list some of {list(RECOMPUTE_MODULES)}",
             )
+        _validate_mlp_recompute(m)
     if m.recompute == "full" and not 1 <= m.recompute_num_layers <= layers_per_stage:
         raise ConfigError(
             "model.recompute_num_layers",
             f"must be between 1 and the {layers_per_stage} layers of one pipeline stage, "
             f"got {m.recompute_num_layers}",
             f"set it to a value from 1 to {layers_per_stage}",
+        )
+
+
+def _validate_mlp_recompute(m: ModelConfig) -> None:
+    """The MLP modules fit the model: megatron-core skips ``mlp`` in a mixture-of-experts layer
+    without a word, which would leave the memory it was meant to save in use."""
+    modules = m.recompute_modules
+    if m.num_experts is not None and "mlp" in modules:
+        raise ConfigError(
+            "model.recompute_modules",
+            "'mlp' recomputes a dense MLP, and this model's MLPs are mixtures of experts "
+            "(megatron-core would skip it)",
+            "use 'moe' for the whole expert layer, or 'shared_experts' for its shared expert",
+        )
+    if m.num_experts is None and {"moe", "shared_experts"} & set(modules):
+        raise ConfigError(
+            "model.recompute_modules",
+            "'moe' and 'shared_experts' recompute a mixture-of-experts layer, and this model is dense",
+            "use 'mlp'",
+        )
+    if "shared_experts" in modules and ("moe" in modules or not m.moe_shared_expert_ffn_hidden_size):
+        raise ConfigError(
+            "model.recompute_modules",
+            "'shared_experts' needs a shared expert (model.moe_shared_expert_ffn_hidden_size) and is "
+            "part of 'moe' already",
+            "list 'moe' alone, or 'shared_experts' for a model with a shared expert",
         )
 
 

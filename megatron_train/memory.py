@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_train.config import ExperimentConfig, data_parallel_size
+from megatron_train.config import ExperimentConfig, ModelConfig, data_parallel_size
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import physical_memory
 from megatron_train.models.registry import family_of
@@ -59,18 +59,18 @@ def _layer_values_per_token(cfg: ExperimentConfig, te: bool) -> dict[str, float]
         mlp = swiglu * m.ffn_hidden_size / p.tensor
     else:
         # Each token's top-k copies: permuted, dispatched and combined hidden states, and the
-        # SwiGLU of each expert it reaches (split over expert TP); plus the shared expert.
-        routed = m.moe_router_topk * (
+        # SwiGLU of each expert it reaches (split over expert TP).
+        mlp = m.moe_router_topk * (
             3 * m.hidden_size + swiglu * m.expert_ffn_hidden_size / (p.expert_tensor or p.tensor)
         )
-        mlp = routed + swiglu * (m.moe_shared_expert_ffn_hidden_size or 0) / p.tensor
+    shared = swiglu * (m.moe_shared_expert_ffn_hidden_size or 0) / p.tensor
     if te:
         return {"layer input": hidden, "norms": 3 * hidden, "attention": (3 * q + 3 * kv) / p.tensor,
-                "mlp": mlp}  # fmt: skip
+                "mlp": mlp, "shared expert": shared}  # fmt: skip
     # Our context-parallel attention keeps the whole sequence's keys and values, gathered.
     gathered = 2 * kv * (p.context - 1)
     return {"layer input": hidden, "norms": 5 * hidden, "attention": (4 * q + 3 * kv + gathered) / p.tensor,
-            "mlp": mlp}  # fmt: skip
+            "mlp": mlp, "shared expert": shared}  # fmt: skip
 
 
 def _layer_bytes(cfg: ExperimentConfig, te: bool, tokens: float, elem: int, layers: float) -> float:
@@ -79,9 +79,15 @@ def _layer_bytes(cfg: ExperimentConfig, te: bool, tokens: float, elem: int, laye
     parts = {key: value * tokens * elem for key, value in _layer_values_per_token(cfg, te).items()}
     full = sum(parts.values())
     if m.recompute == "selective":
-        # mlp: only its input (the checkpoint's) stays; layernorm: the normalised values and
-        # outputs of both norms go (Transformer Engine fuses the norms, so nothing to drop).
-        dropped = {"mlp": parts["mlp"], "layernorm": 0.0 if te else parts["norms"] * 4 / 5}
+        # mlp, moe, shared_experts: only the checkpoint's input stays (a mixture of experts' whole
+        # layer, shared expert included, for moe); layernorm: the normalised values and outputs of
+        # both norms go (Transformer Engine fuses the norms, so nothing to drop).
+        dropped = {
+            "mlp": parts["mlp"],
+            "moe": parts["mlp"] + parts["shared expert"],
+            "shared_experts": parts["shared expert"],
+            "layernorm": 0.0 if te else parts["norms"] * 4 / 5,
+        }
         return layers * (full - sum(dropped.get(module, 0.0) for module in m.recompute_modules))
     if m.recompute == "full" and m.recompute_method == "uniform":
         group = min(m.recompute_num_layers, layers)
@@ -150,17 +156,21 @@ def estimate(cfg: ExperimentConfig, world_size: int, on_gpu: bool = True) -> Mem
     return max(estimates, key=lambda e: e.total)
 
 
-_RECOMPUTE_OVERRIDES = {
-    "none": "",
-    "selective": " model.recompute=selective model.recompute_modules=[mlp,layernorm]",
-    "full": " model.recompute=full",
-}
+def _selective_modules(m: ModelConfig) -> list[str]:
+    """The selective recompute suggested for a model: its MLP (``moe`` for experts) and norms."""
+    return ["mlp" if m.num_experts is None else "moe", "layernorm"]
 
 
 def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) -> list[str]:
     """Up to three layouts of ``world_size`` GPUs (TP within a node, PP, CP, recompute) that fit,
     least model parallelism and recompute first, as override strings."""
     m, seq = cfg.model, cfg.data.seq_length
+    modules = _selective_modules(m)
+    overrides = {
+        "none": "",
+        "selective": f" model.recompute=selective model.recompute_modules=[{','.join(modules)}]",
+        "full": " model.recompute=full",
+    }
     found = []
     sizes = itertools.product(("none", "selective", "full"), (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16))
     for recompute, tensor, pipeline, context in sizes:
@@ -176,13 +186,13 @@ def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) 
             context=context,
             sequence_parallel=tensor > 1,
         )
-        model = dataclasses.replace(m, recompute=recompute, recompute_modules=["mlp", "layernorm"])
+        model = dataclasses.replace(m, recompute=recompute, recompute_modules=modules)
         trial = dataclasses.replace(cfg, parallel=parallel, model=model)
         dp = data_parallel_size(trial, world_size)
         if trial.train.global_batch_size % (trial.train.micro_batch_size * dp):
             continue
         if estimate(trial, world_size).total <= limit_bytes:
-            extra = _RECOMPUTE_OVERRIDES[recompute]
+            extra = overrides[recompute]
             sp = " parallel.sequence_parallel=true" if tensor > 1 else ""
             cp = f" parallel.context={context}" if context > 1 else ""
             found.append(f"parallel.tensor={tensor} parallel.pipeline={pipeline}{cp}{sp}{extra}")

@@ -49,6 +49,22 @@ BAD_INPUTS = [
     (["model.family=gpt2"], 1, "model.family"),
     (["model.recompute=selective", "model.recompute_modules=[attention]"], 1, "model.recompute_modules"),
     (["model.recompute=selective", "model.recompute_modules=[]"], 1, "model.recompute_modules"),
+    # megatron-core skips a dense MLP's recompute in an expert layer; expert modules need experts
+    (
+        ["model.preset=qwen3-moe-tiny", "model.recompute=selective", "model.recompute_modules=[mlp]"],
+        1,
+        "model.recompute_modules",
+    ),
+    (["model.recompute=selective", "model.recompute_modules=[moe]"], 1, "model.recompute_modules"),
+    (
+        [
+            "model.preset=qwen3-moe-tiny",
+            "model.recompute=selective",
+            "model.recompute_modules=[shared_experts]",
+        ],
+        1,
+        "model.recompute_modules",
+    ),
     (
         ["model.recompute=full", "model.recompute_num_layers=3", "parallel.pipeline=2"],
         2,

@@ -17,8 +17,18 @@ LAYOUTS = [
     (2, ["parallel.tensor=2", "parallel.sequence_parallel=true", "train.global_batch_size=2"]),
     (2, ["parallel.pipeline=2", "train.global_batch_size=8"]),
     (2, ["train.global_batch_size=4"]),
-    # 16 experts of which each rank holds 8 (EP2), 4 per token
+    # 16 experts of which each rank holds 8 (EP2), 4 per token; then recomputing the expert layers
     (2, ["model.preset=qwen3-moe-small", "parallel.expert=2", "train.global_batch_size=4"]),
+    (
+        2,
+        [
+            "model.preset=qwen3-moe-small",
+            "parallel.expert=2",
+            "train.global_batch_size=4",
+            "model.recompute=selective",
+            "model.recompute_modules=[moe,layernorm]",
+        ],
+    ),  # fmt: skip
     # our context-parallel attention, keys and values gathered
     (2, ["parallel.context=2", "train.global_batch_size=2"]),
     (1, ["model.recompute=full", "train.global_batch_size=2"]),

@@ -55,7 +55,16 @@ LAYOUTS = [
     # (ranks, overrides): EP ranks come from data-parallel ranks, times TP.
     (2, ["parallel.expert=2"]),
     (4, ["parallel.expert=2", "parallel.tensor=2", "parallel.sequence_parallel=true"]),
-    (4, ["parallel.expert=2", "parallel.pipeline=2"]),
+    # recomputing the whole expert layer (router, dispatch, experts, shared expert) in backward
+    (
+        4,
+        [
+            "parallel.expert=2",
+            "parallel.pipeline=2",
+            "model.recompute=selective",
+            "model.recompute_modules=[moe]",
+        ],
+    ),
     (4, ["parallel.expert=4", "model.moe_token_dispatcher=allgather"]),
     # EP ranks from context-parallel ones: each holds half of every sequence's tokens
     (4, ["parallel.expert=2", "parallel.context=2"]),
