@@ -295,6 +295,14 @@ CASES = [
         "mixture-of-experts models only",
     ),
     Case(
+        "recompute-dense-mlp-of-an-expert-model",
+        "train",
+        _train(
+            "model.preset=qwen3-moe-tiny", "model.recompute=selective", "model.recompute_modules=[mlp]", FRESH
+        ),
+        "use 'moe' for the whole expert layer",
+    ),
+    Case(
         "moe-topk-above-experts",
         "train",
         _train("model.preset=qwen3-moe-tiny", "model.moe_router_topk=9", FRESH),
