@@ -37,6 +37,7 @@ from megatron_train.checkpoint.state import (
     Progress,
     check_architecture,
     check_same_optimizer,
+    config_changes,
     full_state,
     load_model,
     load_optimizer,
@@ -50,7 +51,7 @@ from megatron_train.checkpoint.state import (
     record_fields,
     restore_rng,
 )
-from megatron_train.config import ExperimentConfig, checkpoint_dir
+from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
 from megatron_train.stopping import STOP_SIGNALS, Decision
 
 
@@ -377,4 +378,6 @@ class Checkpointer:
             f"resumed from {path} at step {progress.iteration} "
             f"({progress.consumed_samples:,} samples, {progress.consumed_tokens:,} tokens consumed; {how})"
         )
+        if changes := config_changes(common["config"], to_dict(self.cfg)):
+            self.log(f"changed since that checkpoint: {'; '.join(changes)}")
         return progress

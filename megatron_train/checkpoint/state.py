@@ -113,6 +113,25 @@ def metadata(cfg: ExperimentConfig, layout: Layout) -> dict:
     return {"version": __version__, "layout": vars(layout), "config": to_dict(cfg)}
 
 
+def config_changes(saved: dict, now: dict) -> list[str]:
+    """``key: old -> new`` for each training setting (model, data, optimizer, DDP, train) this run
+    sets otherwise than the checkpoint's config; the layout is reported with the resharding, and
+    logging and checkpoint settings are where a run writes, not how it trains."""
+
+    def leaves(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(leaves(value, f"{prefix}{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+
+    sections = ("model", "data", "optimizer", "ddp", "train")
+    old, new = (leaves({k: v for k, v in tree.items() if k in sections}) for tree in (saved, now))
+    return [f"{key}: {old[key]} -> {value}" for key, value in new.items() if key in old and old[key] != value]
+
+
 def record_fields(meta: dict) -> dict:
     """The part of :func:`metadata` the completion record repeats (readable without torch)."""
     return {"version": meta["version"], "layout": meta["layout"]}
