@@ -57,7 +57,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
         log.close()
 
 
-def hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> None:
+def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> None:
     """Lock the run directory and save dir against a second run (``run_lock``): those that exist,
     or, with ``create``, both after making them. Rank 0 decides and every rank agrees."""
     outcome: list = [[]]
@@ -98,7 +98,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper
 
-    hold_run_folders(cfg, rt, log, create=False)
+    _hold_run_folders(cfg, rt, log, create=False)
     resume_from = checkpointer.resolve()
     start_from = None if resume_from else warm_start.locate(cfg, rt.is_main, log.info)
     model = build_model(cfg, rt)
@@ -110,7 +110,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
     elif start_from is not None:
         warm_start.load(start_from, cfg, model, optimizer, log.info)
     # Only now, with every input checked, does the run directory change.
-    hold_run_folders(cfg, rt, log, create=True)
+    _hold_run_folders(cfg, rt, log, create=True)
     log.open(progress.iteration)
     checkpointer.start_writer()
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
