@@ -27,11 +27,18 @@ def _map_checkout_families() -> None:
 
 _map_checkout_families()
 
+# The node is asked whether it has a GPU through its NVIDIA driver rather than torch, which tools
+# that never need torch do not load.
+_NO_GPU = not os.path.exists("/proc/driver/nvidia/version")
+if _NO_GPU:
+    from megatron_train import eager_fusions
+
+    eager_fusions.install()
+
 # Known, harmless start-up noise from our dependencies; anything else still shows. Without a GPU,
 # Transformer Engine and apex cannot be used, so megatron-core's notes that it falls back without
-# them say nothing; on a GPU node they are shown (a fused path is missing there). The node is
-# asked through its NVIDIA driver rather than torch, which tools that never need it do not load.
-if not os.path.exists("/proc/driver/nvidia/version"):
+# them say nothing; on a GPU node they are shown (a fused path is missing there).
+if _NO_GPU:
     warnings.filterwarnings("ignore", message="Apex is not installed")
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 warnings.filterwarnings(

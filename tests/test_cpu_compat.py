@@ -73,3 +73,29 @@ SCRIPT = textwrap.dedent(
 def test_cpu_compat_adaptations():
     result = run_tool("-c", SCRIPT, check=False)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+EAGER_FUSIONS = textwrap.dedent(
+    """
+    import sys
+    import megatron_train.train
+    import torch
+    from megatron.core import jit
+    from megatron.core.fusions.fused_bias_swiglu import swiglu
+
+    # megatron's fusions stay plain functions, Inductor is never loaded, torch.compile is torch's.
+    assert jit.jit_fuser is not torch.compile and jit.jit_fuser(swiglu) is swiglu
+    assert not hasattr(swiglu, "_torchdynamo_orig_callable"), swiglu
+    assert "torch._inductor.compile_fx" not in sys.modules
+    assert torch.compile.__module__ == "torch"
+    x = torch.randn(4, 6)
+    a, b = x.chunk(2, -1)
+    assert torch.equal(swiglu(x), torch.nn.functional.silu(a) * b)
+    print("OK")
+    """
+)
+
+
+def test_without_a_gpu_megatron_fusions_run_eagerly_and_inductor_is_not_loaded():
+    result = run_tool("-c", EAGER_FUSIONS, check=False)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]

@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 LAYERS = [
     ["errors", "config", "megatron_compat", "cpu_compat", "tokenizer", "text_sources", "sentencepiece_cuts",
      "text_encoding", "token_writer", "checkpoint.files", "checkpoint.safe_load", "hf.model_dir",
-     "hf.safetensors_io", "outputs", "run_lock"],
+     "hf.safetensors_io", "outputs", "run_lock", "eager_fusions"],
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory", "moe_stats"],
