@@ -162,6 +162,12 @@ class ModelConfig:
     README). The CPU always uses the plain one."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE."""
+    compile: bool = False
+    """torch.compile each transformer layer, as torchtitan compiles each block, so the norms,
+    rotary embedding, SwiGLU and residual adds around the matmuls are fused. Dense models on the
+    local layers, with full or ``core_attn`` recompute; tensor and sequence parallelism's
+    communication splits each layer into several compiled graphs. The first step takes longer
+    while the layer compiles (once: the layers share their code)."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     """Layer implementation: Transformer Engine's fused layers, megatron-core's own layers with
     PyTorch SDPA attention, or ``auto`` (TE when it imports and CUDA is present)."""
@@ -891,12 +897,33 @@ def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
                 f"list some of {list(RECOMPUTE_MODULES)}",
             )
         _validate_mlp_recompute(m)
+    if m.compile:
+        _validate_compile(m)
     if m.recompute == "full" and not 1 <= m.recompute_num_layers <= layers_per_stage:
         raise ConfigError(
             "model.recompute_num_layers",
             f"must be between 1 and the {layers_per_stage} layers of one pipeline stage, "
             f"got {m.recompute_num_layers}",
             f"set it to a value from 1 to {layers_per_stage}",
+        )
+
+
+def _validate_compile(m: ModelConfig) -> None:
+    """What torch.compile cannot trace in a layer: an expert layer's token routing (counts read
+    back to the host, shapes that depend on them) and megatron-core's recompute of a part of the
+    layer (``CheckpointWithoutOutput``, which keeps its inputs on a Python object)."""
+    if m.num_experts is not None:
+        raise ConfigError(
+            "model.compile",
+            "compiles dense layers only, and this model's MLPs are mixtures of experts",
+            "set model.compile=false",
+        )
+    partial = [x for x in m.recompute_modules if x != "core_attn"] if m.recompute == "selective" else []
+    if partial:
+        raise ConfigError(
+            "model.compile",
+            f"cannot compile a layer that recomputes {partial!r} (only core_attn, or full recompute)",
+            "set model.recompute_modules=[core_attn], model.recompute=full or model.compile=false",
         )
 
 

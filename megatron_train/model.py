@@ -3,6 +3,8 @@ DDP-wrapped, with Transformer Engine layers where the machine has them."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
@@ -128,12 +130,37 @@ def _check_documents_on_transformer_engine(cfg: ExperimentConfig) -> None:
         )
 
 
+def _check_compile_on_transformer_engine(cfg: ExperimentConfig) -> None:
+    if cfg.model.compile:
+        raise ConfigError(
+            "model.compile",
+            "compiles the local layers, and this run uses Transformer Engine's, which fuse their own kernels",
+            "set model.transformer_impl=local or model.compile=false",
+        )
+
+
+def _compile_layers(chunks: list[torch.nn.Module]) -> None:
+    """torch.compile each transformer layer in place: its parameters and state_dict keys stay as
+    they are, so checkpoints do not change. megatron-core's row-parallel linear warns on every
+    call (it passes no tensor-parallel group); a warning cannot be traced and would split every
+    compiled layer, so compiled code drops warnings (torch releases without that switch split)."""
+    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)
+    if ignored is not None:
+        ignored.add(warnings.warn)
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            layer.compile()
+
+
 def build_model(cfg: ExperimentConfig, rt: Runtime) -> list[DistributedDataParallel]:
     """Build, initialise and DDP-wrap this rank's model chunks."""
     if use_transformer_engine(cfg):
         _check_documents_on_transformer_engine(cfg)
+        _check_compile_on_transformer_engine(cfg)
     chunks = build_chunks(cfg, rt)
     initialize_weights(chunks, family_of(cfg.model), cfg.model, cfg.train.seed)
+    if cfg.model.compile:
+        _compile_layers(chunks)
     mark_tensor_parallel_weights(chunks)
     _experts_in_their_own_optimizer(chunks)
     ddp_config = DistributedDataParallelConfig(

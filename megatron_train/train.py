@@ -123,7 +123,8 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
         f"layout TP={p.tensor} PP={p.pipeline} VPP={p.virtual_pipeline or 1}{context} DP={dp}{experts} "
         f"on {rt.world_size} {rt.device.type} "
         f"ranks | {stepper.num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
-        f"{layer_implementation(cfg)[1]}, {str(rt.dtype).removeprefix('torch.')}"
+        f"{layer_implementation(cfg)[1]}{', layers compiled' if cfg.model.compile else ''}, "
+        f"{str(rt.dtype).removeprefix('torch.')}"
     )
 
     started = time.perf_counter()
