@@ -2,7 +2,7 @@
 
 ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` when megatron.core is first imported, and
 a dozen functions are decorated with it then (more inside constructors later). On a machine without
-a GPU that costs every process about 1 s of start-up importing Inductor, and the few such functions
+a GPU that costs every process about 1.4 s of start-up importing Inductor, and the few such functions
 a CPU run calls (the MoE router's expert bias, the experts' probability-weighted activation) each
 compile C++ kernels in every rank. So on such a machine megatron.core's own import sees an identity
 for ``torch.compile``, which ``megatron.core.jit`` keeps as its ``jit_fuser``; torch.compile itself

@@ -3,7 +3,9 @@
 Written against megatron-core 0.16.1 (pyproject pins ``>=0.16.1,<0.17``). Each entry says what
 it works around; ``tests/test_megatron_compat.py`` fails when an upgrade removes a name used
 here or fixes the behaviour worked around, which is when its entry should change. The CUDA ->
-CPU redirection (``cpu_compat``) reaches megatron's private names only through this module.
+CPU redirection (``cpu_compat``) reaches megatron's private names only through this module. One
+entry lives apart, in ``eager_fusions``: it must act before megatron.core is first imported, which
+this module does at its top.
 """
 
 from __future__ import annotations
@@ -200,6 +202,19 @@ def optimizer_without_cuda_kernels() -> None:
     clip_grads.multi_tensor_scale_impl = mcore_utils.local_multi_tensor_scale
     mcore_optimizer.multi_tensor_applier = mcore_utils.local_multi_tensor_applier
     mcore_optimizer.multi_tensor_scale_impl = mcore_utils.local_multi_tensor_scale
+
+
+def compiled_layers_without_warnings() -> None:
+    """Keep each compiled transformer layer one graph at TP1.
+
+    0.16.1: ``RowParallelLinear.forward`` passes ``tp_group=None`` to its linear function, and
+    ``get_tensor_model_parallel_group_if_none`` then warns on rank 0 at every call. torch.compile
+    cannot trace ``warnings.warn`` and splits the layer there, so compiled code drops warnings
+    (torch releases without this switch keep the split). Idempotent.
+    """
+    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)
+    if ignored is not None:
+        ignored.add(warnings.warn)
 
 
 def moe_router_without_transformer_engine() -> None:

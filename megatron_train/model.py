@@ -3,8 +3,6 @@ DDP-wrapped, with Transformer Engine layers where the machine has them."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
@@ -13,6 +11,7 @@ from megatron_train.config import ExperimentConfig
 from megatron_train.errors import ConfigError
 from megatron_train.init import initialize_weights
 from megatron_train.megatron_compat import (
+    compiled_layers_without_warnings,
     mark_tensor_parallel_weights,
     moe_aux_loss_over_split_sequences,
     moe_router_without_transformer_engine,
@@ -141,12 +140,8 @@ def _check_compile_on_transformer_engine(cfg: ExperimentConfig) -> None:
 
 def _compile_layers(chunks: list[torch.nn.Module]) -> None:
     """torch.compile each transformer layer in place: its parameters and state_dict keys stay as
-    they are, so checkpoints do not change. megatron-core's row-parallel linear warns on every
-    call (it passes no tensor-parallel group); a warning cannot be traced and would split every
-    compiled layer, so compiled code drops warnings (torch releases without that switch split)."""
-    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)
-    if ignored is not None:
-        ignored.add(warnings.warn)
+    they are, so checkpoints do not change."""
+    compiled_layers_without_warnings()
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.compile()

@@ -51,6 +51,38 @@ def test_dp_reshardable_load_still_copies_the_requested_step_with_autograd_on():
     assert "step" not in source, "megatron now leaves Adam's step out of dp_reshardable loads"
 
 
+COMPILED_LAYER_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from torch._dynamo.utils import counters
+    from megatron_train import runtime
+    from megatron_train.model import build_model
+    from megatron_train.resolve import build_config
+
+    model = {"preset": "tiny", "vocab_size": 256, "compile": True}
+    cfg = build_config({"model": model, "train": {"steps": 4}})
+    rt = runtime.initialize(cfg, runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
+    [model] = build_model(cfg, rt)
+    tokens = torch.randint(0, 256, (2, 32))
+    model(tokens, torch.arange(32).expand(2, 32), None).sum()
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    print("OK")
+    """
+)
+
+
+def test_a_compiled_layer_is_one_graph_though_row_parallel_linear_warns_on_every_call():
+    """What ``compiled_layers_without_warnings`` works around, and that it works."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    assert "tp_group=None" in inspect.getsource(RowParallelLinear.forward), (
+        "megatron's row-parallel linear now passes its tensor-parallel group: no need to drop warnings"
+    )
+    result = run_tool("-c", COMPILED_LAYER_SCRIPT, check=False)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
 def test_moe_workarounds_are_still_needed():
     """What the MoE entries work around; test_moe's expert-parallel layouts (EP2 x TP2 with
     sequence parallelism among them) and test_context_parallel's MoE layout equal one rank only
