@@ -2,9 +2,13 @@
 # Single-node launch: launch/local.sh [NPROC] --config configs/X.yaml [key=value ...]
 # NPROC defaults to the number of GPUs; on a CPU-only machine pass the rank count you want.
 set -euo pipefail
-if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$1; shift
+usage="launch/local.sh [NPROC] --config configs/X.yaml [key=value ...]"
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$((10#$1)); shift
+    if (( NPROC < 1 )); then echo "error: launch/local.sh: NPROC is $NPROC. Fix: launch at least 1 rank: $usage" >&2; exit 2; fi
+elif [[ -n "${1:-}" && "$1" != -* ]]; then
+    echo "error: launch/local.sh: '$1' is not a rank count. Fix: $usage" >&2; exit 2
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then NPROC=$(nvidia-smi -L | wc -l)
-else echo "launch/local.sh: no GPU found; give the number of CPU ranks as the first argument" >&2; exit 2
+else echo "error: launch/local.sh: no GPU found. Fix: give the number of CPU ranks first: $usage" >&2; exit 2
 fi
 # One thread per rank: ranks already fill the cores, and oversubscription slows gloo collectives.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

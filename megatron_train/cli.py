@@ -20,10 +20,16 @@ def report(err: BaseException | str) -> None:
     print("error: " + " ".join(str(err).split()), file=sys.stderr, flush=True)
 
 
+def first_rank() -> bool:
+    """Whether the launcher (torchrun, srun, or none) made this process rank 0, read before any
+    process group exists."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def report_once(err: BaseException | str) -> None:
     """:func:`report` from the first rank only: under torchrun or srun every rank meets the same
     bad input, and the user should read it once."""
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    if first_rank():
         report(err)
 
 
@@ -66,6 +72,18 @@ def non_empty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty value")
     return text
+
+
+def text(value: str) -> str:
+    """An argument that is text: bytes that are not UTF-8 reach Python as lone surrogates
+    (``os.fsdecode``), which tokenizers cannot take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not UTF-8 text (is the terminal set to UTF-8?)"
+        ) from None
+    return value
 
 
 def no_room(err: BaseException, what: str, fix: str) -> str | None:

@@ -78,7 +78,9 @@ def drop_torn_indices(cache_dir: str) -> list[Path]:
     writing the last file) would fail every later start; without the file it builds them again.
     Every rank calls this before the build, and none writes to the cache before all have."""
     torn = []
-    for path in sorted(Path(cache_dir).glob("*.npy")):
+    # Only megatron's own index files ("<hash>-GPTDataset-train-sample_index.npy"): the cache may
+    # be a folder that holds other arrays too.
+    for path in sorted(Path(cache_dir).glob("*Dataset-*_index.npy")):
         try:
             numpy.load(path, mmap_mode="r")
         except (ValueError, EOFError):

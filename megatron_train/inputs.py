@@ -23,7 +23,7 @@ from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
 from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir, parse_blend
 from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_output_dir
+from megatron_train.outputs import check_output_dir, check_run_dir
 from megatron_train.text_encoding import tokenizer_loading
 from megatron_train.token_writer import INDEX_HEADER
 from megatron_train.tokenizer import load_tokenizer
@@ -250,7 +250,7 @@ def check_inputs(cfg: ExperimentConfig) -> int:
                 "tokenized with another tokenizer",
                 "preprocess it with this tokenizer, or set data.tokenizer to the one it was made with",
             )
-    check_output_dir("logging.run_dir", Path(cfg.logging.run_dir))
+    check_run_dir("logging.run_dir", Path(cfg.logging.run_dir))
     check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))
     check_output_dir("data.cache_dir", Path(cfg.data.cache_dir or Path(cfg.logging.run_dir) / "data_cache"))
     return vocab

@@ -70,6 +70,20 @@ def check_new_files(key: str, prefix: Path, suffixes: tuple[str, ...]) -> None:
         )
 
 
+def check_run_dir(key: str, path: Path) -> None:
+    """``path`` can hold a run (:func:`check_output_dir`), and a start there replaces no file it did
+    not write: each start writes ``config.yaml`` next to ``metrics.jsonl``, so a ``config.yaml``
+    without one is somebody's own (often the experiment config itself, kept beside its outputs)."""
+    check_output_dir(key, path)
+    config, metrics = Path(path) / "config.yaml", Path(path) / "metrics.jsonl"
+    if config.exists() and not metrics.exists():
+        raise ConfigError(
+            key,
+            f"{config} is not a training run's resolved config, and a start would replace it",
+            "set it to a new directory, or keep your own config outside the run directory",
+        )
+
+
 def check_output_dir(key: str, path: Path) -> None:
     """``path`` exists as a writable directory or can be created as one (nothing is created)."""
     probe = Path(path).absolute()

@@ -17,6 +17,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_train import cpu_compat
 from megatron_train.config import ExperimentConfig
+from megatron_train.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,32 @@ def launch_env() -> LaunchEnv:
     """This process's rank from torchrun (RANK...) or srun (SLURM_PROCID...); else one process."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        local = int(env.get("LOCAL_WORLD_SIZE", 1))
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), local)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        local = int(env.get("SLURM_NTASKS_PER_NODE", 1))  # pretrain.sbatch sets --ntasks-per-node
-        return LaunchEnv(
-            int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), local
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        # pretrain.sbatch sets --ntasks-per-node, so SLURM_NTASKS_PER_NODE is there.
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+    else:
+        return LaunchEnv(0, 1, 0)
+    defaults = (None, None, "0", "1")
+    values = []
+    for name, default in zip(names, defaults, strict=True):
+        text = env.get(name, default)
+        if not text.isdigit():
+            raise ConfigError(
+                name,
+                f"the launcher set {name}={text!r}, not a count",
+                "start the ranks with torchrun or srun",
+            )
+        values.append(int(text))
+    rank, world, local_rank, local_world = values
+    if not rank < world:
+        raise ConfigError(
+            names[0],
+            f"rank {rank} is outside a world of {world} ranks ({names[1]}), so it would wait forever for "
+            "the others",
+            "start the ranks with torchrun or srun, which set both",
         )
-    return LaunchEnv(0, 1, 0)
+    return LaunchEnv(rank, world, local_rank, local_world)
 
 
 def node_name() -> str:

@@ -91,6 +91,16 @@ def _text(value: object, key: str, where: str) -> str:
     return value
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form: JSON's ``\\uXXXX`` escapes can spell half a surrogate
+    pair, which Python keeps but no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _open_text(path: Path) -> io.TextIOBase:
     if path.name.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")
@@ -112,7 +122,14 @@ def _json_lines(path: Path, key: str) -> Iterator[str]:
                 raise ConfigError(
                     "--input", f"{where} is not JSON ({err})", "fix or remove that line"
                 ) from err
-            yield _text(_field(record, key, where), key, where)
+            text = _text(_field(record, key, where), key, where)
+            if "\\u" in line and not _encodable(text):
+                raise ConfigError(
+                    "--input",
+                    f"{where}: field {key!r} holds a lone surrogate (such as \\ud800), not text",
+                    "fix or remove that line",
+                )
+            yield text
 
 
 def _parquet_rows(path: Path, key: str) -> Iterator[str]:

@@ -50,9 +50,21 @@ def exit_code(err: ChildFailedError) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        local_world_size = determine_local_world_size(args.nproc_per_node)
+    except ValueError as err:
+        local_world_size, problem = 0, str(err).rstrip(".")
+    else:
+        problem = f"{local_world_size} ranks per node"
+    if local_world_size < 1:
+        cli.report(
+            f"--nproc-per-node {args.nproc_per_node}: {problem}. Fix: give the number of ranks "
+            "per node (one per GPU)"
+        )
+        return cli.EXIT_BAD_INPUT
     # torchrun sets one OpenMP thread per rank itself when several share a node, with a banner
     # above the ranks' output (and above a one-line error) saying so.
-    if determine_local_world_size(args.nproc_per_node) > 1:
+    if local_world_size > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietReportedExits())
     try:

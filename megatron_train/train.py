@@ -180,7 +180,7 @@ def report_exit_status(code: int) -> None:
     is written before any rank exits (every rank passes a barrier after the last save).
     """
     path = os.environ.get("MEGATRON_TRAIN_EXIT_STATUS_FILE")
-    if path and runtime.launch_env().rank == 0:
+    if path and cli.first_rank():
         from megatron_train.checkpoint.files import write_atomic
 
         write_atomic(Path(path), f"{code}\n")
@@ -195,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
-    env = runtime.launch_env()
+    try:
+        env = runtime.launch_env()
+    except ConfigError as err:  # each process's own launcher variables, so each one says so
+        cli.report(err)
+        return EXIT_BAD_CONFIG
     try:
         cfg = resolve(args.config, args.overrides, env.world_size)
         check_fits_this_node(cfg, env.world_size, env.local_rank, env.local_world_size)

@@ -61,6 +61,8 @@ class Case:
     """Text the one error line must contain (the problem it names)."""
     setup: Callable[[Path], None] | None = None
     code: int = 2
+    env: dict[str, str] | None = None
+    """Launcher variables that differ from one process of a one-rank world."""
 
 
 # -- workspace: inputs and an existing run, shared by all cases ------------------------------------
@@ -213,6 +215,12 @@ def _edit_hf_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
         (hf / "config.json").write_text(json.dumps(config))
 
     return edit
+
+
+def _copy_config(ws: Path, case_id: str) -> None:
+    """The experiment's config kept in the folder it names as its run directory."""
+    _case(ws, case_id).mkdir(parents=True)
+    shutil.copy2(ws / "cfg.yaml", _case(ws, case_id) / "config.yaml")
 
 
 def _train(*overrides: str, config: str = "cfg.yaml") -> Callable[[Path], list[str]]:
@@ -480,6 +488,18 @@ CASES = [
     ),
     # os.access tells root it may write into /proc; making the run there would fail later
     Case("run-dir-in-proc", "train", _train("logging.run_dir=/proc/megatron-train/run"), "'logging.run_dir'"),
+    Case(
+        "run-dir-holds-its-own-config",
+        "train",
+        _train(
+            "logging.run_dir=WS/cases/run-dir-holds-its-own-config",
+            config="cases/run-dir-holds-its-own-config/config.yaml",
+        ),
+        "config.yaml is not a training run's resolved config",
+        _copy_config,
+    ),
+    Case("launch-rank-outside-world", "train", _train(FRESH), "outside a world of 1", env={"RANK": "3"}),
+    Case("launch-world-not-a-count", "train", _train(FRESH), "'WORLD_SIZE'", env={"WORLD_SIZE": "x"}),
     # train: checkpoints to resume from (the existing run must stay as it was)
     Case(
         "resume-other-architecture",
@@ -840,6 +860,13 @@ CASES = [
     ),
     # generate
     Case("generate-missing", "generate", _args("--ckpt", "WS/nothing"), "does not exist"),
+    # A Latin-1 terminal: the byte 0xe9 reaches Python as the surrogate escape U+DCE9.
+    Case(
+        "generate-prompt-not-utf8",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt", "caf\udce9"),
+        "not UTF-8",
+    ),
     Case(
         "generate-negative-tokens",
         "generate",
@@ -985,6 +1012,20 @@ CASES = [
         _write("in.jsonl", '{"text": 5}\n{"text": 7}\n'),
     ),
     Case(
+        "preprocess-lone-surrogate",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/cases/preprocess-lone-surrogate/in.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "in.jsonl:2: field 'text' holds a lone surrogate",
+        _write("in.jsonl", '{"text": "ok"}\n{"text": "\\udc00 alone"}\n'),
+    ),
+    Case(
         "preprocess-no-text-key",
         "preprocess",
         _args(
@@ -1087,6 +1128,13 @@ CASES = [
         _args("--input", "WS/cases/tokenizer-text-not-string/in.jsonl", "--output-prefix", "WS/cases/t/spm"),
         "string",
         _write("in.jsonl", '{"text": [1, 2]}\n'),
+    ),
+    Case(
+        "tokenizer-lone-surrogate",
+        "tokenizer",
+        _args("--input", "WS/cases/tokenizer-lone-surrogate/in.jsonl", "--output-prefix", "WS/cases/t/spm"),
+        "in.jsonl:2: field 'text' holds a lone surrogate",
+        _write("in.jsonl", '{"text": "caf\\u00e9"}\n{"text": "half a pair \\ud83d"}\n'),
     ),
     Case(
         "tokenizer-vocab-too-big",
@@ -1237,6 +1285,8 @@ def test_bad_input_is_one_line_and_touches_nothing(ws, corpus, case, capfd, monk
     # Set here, so that the rendezvous of a case that starts a process group leaves nothing behind.
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    for name, value in (case.env or {}).items():
+        monkeypatch.setenv(name, value)
     monkeypatch.chdir(ws)
     if case.setup:
         case.setup(ws, case.id)
@@ -1267,7 +1317,7 @@ def test_each_entry_point_alone_in_its_process_prints_only_the_error_line(ws):
                 "tokenizer": ["tools/train_tokenizer.py"]}  # fmt: skip
     first = {}
     for case in CASES:
-        if case.setup is None and case.code == 2:
+        if case.setup is None and case.code == 2 and case.env is None:
             first.setdefault(case.entry, case)
     assert first.keys() == commands.keys()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

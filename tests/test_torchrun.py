@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from megatron_train.torchrun import exit_code
+from megatron_train.torchrun import exit_code, main
+from tests.conftest import ROOT
 
 
 def _failed(*codes: int) -> ChildFailedError:
@@ -31,3 +35,31 @@ def _failed(*codes: int) -> ChildFailedError:
 )
 def test_the_first_ranks_reported_code_is_the_launchers(codes, expected):
     assert exit_code(_failed(*codes)) == expected
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["0", "--config", "configs/demo.yaml"], "NPROC is 0"),
+        (["eight", "--config", "configs/demo.yaml"], "'eight' is not a rank count"),
+        pytest.param(
+            [], "no GPU found", marks=pytest.mark.skipif(bool(shutil.which("nvidia-smi")), reason="a GPU")
+        ),
+    ],
+)
+def test_the_local_launcher_refuses_a_rank_count_it_cannot_start(args, says):
+    """Checked before torchrun starts: its own answer to 0 ranks is a bare AssertionError."""
+    result = subprocess.run(["bash", "launch/local.sh", *args], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: launch/local.sh: ") and says in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("nproc", "says"), [("0", "0 ranks per node"), ("two", "Unsupported nproc_per_node")]
+)
+def test_torchrun_refuses_a_rank_count_in_one_line(nproc, says, capsys):
+    assert main(["--nproc-per-node", nproc, "-m", "megatron_train.train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --nproc-per-node {nproc}: ") and says in err
+    assert len(err.splitlines()) == 1
