@@ -94,7 +94,8 @@ def hf_models(tmp_path_factory) -> dict:
 def imported(hf_models, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("imported")
     for name, path in hf_models.items():
-        convert("import-hf", "--hf", str(path), "--out", str(root / name), "--tp", "2", "--pp", "2")
+        result = convert("import-hf", "--hf", str(path), "--out", str(root / name), "--tp", "2", "--pp", "2")
+        assert result.stderr == "", result.stderr  # no library warning above the one result line
     return {name: root / name for name in hf_models}
 
 

@@ -11,6 +11,7 @@ tensors together. megatron's loader then reads it at any TP / PP like any other 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,5 +77,8 @@ def save_weights(
     stacked = {t.key: len(t.index_shape(num_layers)) for t in tensors}
     planner = _LazyPlanner(_write_items(tensors, num_layers, dtype), stacked, produce_cast)
     writer = dcp.FileSystemWriter(str(ckpt_dir), single_file_per_rank=False, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    with warnings.catch_warnings():
+        # torch warns that it "assumes" a single process even when no_dist=True says so.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     write_checkpoint_extras(common, ckpt_dir)
