@@ -350,9 +350,11 @@ class CheckpointConfig:
     ``<logging.run_dir>/checkpoints``."""
     load: FilePath = "auto"
     """``auto``: resume from the newest complete checkpoint in save_dir, or start fresh and say
-    so. ``none``: always start fresh. Anything else is a path (one ``iter_*`` checkpoint, a save
+    so. ``none``: start fresh. Anything else is a path (one ``iter_*`` checkpoint, a save
     dir, or a run directory saving to its default ``checkpoints/``) that must exist and be
-    complete, or the run stops with an error."""
+    complete, or the run stops with an error. A start that would not continue the complete
+    checkpoints save_dir already holds (``none``, another run's checkpoint, ``finetune``) is
+    refused rather than overwrite them; an older checkpoint of save_dir itself is a rollback."""
     finetune: bool = False
     """Load only the model weights from ``load``; optimizer, LR schedule, step and data
     position start fresh."""

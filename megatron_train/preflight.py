@@ -24,7 +24,9 @@ def check_resume(cfg: ExperimentConfig) -> str:
     from megatron_train.checkpoint.state import check_same_optimizer, check_within_steps, read_common
 
     try:
-        decision = files.resolve_load(cfg.checkpoint.load, checkpoint_dir(cfg))
+        decision = files.resolve_load(
+            cfg.checkpoint.load, checkpoint_dir(cfg), finetune=cfg.checkpoint.finetune
+        )
     except files.CheckpointError as err:
         raise ConfigError(
             "checkpoint.load", str(err), "point it at a complete checkpoint or set it to auto / none"

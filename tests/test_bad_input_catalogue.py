@@ -514,6 +514,26 @@ CASES = [
         _train(FRESH, "model.tie_embeddings=true", f"checkpoint.load=WS/{CKPT}", "checkpoint.finetune=true"),
         "output_layer",
     ),
+    Case("fresh-start-over-saved-run", "train", _train("checkpoint.load=none"), "would not continue"),
+    Case(
+        "resume-another-run-over-saved-run",
+        "train",
+        _train("checkpoint.load=WS/cases/resume-another-run-over-saved-run/other"),
+        "would not continue",
+        lambda ws, case_id: shutil.copytree(ws / CKPT, _case(ws, case_id) / "other" / "iter_0000004"),
+    ),
+    Case(
+        "finetune-over-saved-run",
+        "train",
+        _train(f"checkpoint.load=WS/{CKPT}", "checkpoint.finetune=true"),
+        "checkpoint.init_from",
+    ),
+    Case(
+        "preflight-fresh-start-over-saved-run",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "checkpoint.load=none"),
+        "would not continue",
+    ),
     Case(
         "resume-with-the-other-optimizer",
         "train",

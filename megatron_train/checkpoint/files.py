@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError
+from megatron_train.errors import CheckpointError, ConfigError
 
 RECORD = "complete.json"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -194,18 +194,46 @@ class LoadDecision:
     notes: list[str]
 
 
-def resolve_load(load: str, save_dir: Path, checksums: bool = False) -> LoadDecision:
+def resolve_load(load: str, save_dir: Path, checksums: bool = False, finetune: bool = False) -> LoadDecision:
     """Apply ``checkpoint.load``: ``none``, ``auto`` (newest complete checkpoint in ``save_dir``,
-    torn newer ones reported) or an explicit path (must be complete, else CheckpointError)."""
+    torn newer ones reported) or an explicit path (must be complete, else CheckpointError). A
+    start that would not continue the checkpoints ``save_dir`` already holds is a ConfigError."""
     if load == "none":
-        return LoadDecision(None, ["checkpoint.load=none: starting from freshly initialised weights"])
-    if load == "auto":
+        decision = LoadDecision(None, ["checkpoint.load=none: starting from freshly initialised weights"])
+    elif load == "auto":
         point = find_latest_complete(save_dir, checksums)
         notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
         if point.path is None:
             notes.append(f"no complete checkpoint in {save_dir}: starting fresh")
-        return LoadDecision(point.path, notes)
-    return LoadDecision(resolve_explicit(Path(load), checksums), [])
+        decision = LoadDecision(point.path, notes)
+    else:
+        decision = LoadDecision(resolve_explicit(Path(load), checksums), [])
+    _check_continues_save_dir(decision.path, load, save_dir, finetune)
+    return decision
+
+
+def _check_continues_save_dir(start: Path | None, load: str, save_dir: Path, finetune: bool) -> None:
+    """A start from anything but ``save_dir``'s own checkpoints (fresh weights, another run's, or
+    weights only) would write its steps over the complete checkpoints there and rotate the rest
+    away; a fine-tuning job requeued after its first save would start over from the base model.
+    Rolling back to an older checkpoint of ``save_dir`` itself stays possible."""
+    continues = start is not None and not finetune and start.resolve().parent == Path(save_dir).resolve()
+    if continues or (newest := find_latest_complete(save_dir).path) is None:
+        return
+    if finetune:
+        key, how = "checkpoint.finetune", f"it takes only the weights of {start} and starts again at step 0"
+    elif start is None:
+        key, how = "checkpoint.load", "checkpoint.load=none starts from fresh weights"
+    else:
+        key, how = "checkpoint.load", f"it resumes from {start}, outside it"
+    raise ConfigError(
+        key,
+        f"{save_dir} already holds checkpoints (newest: {newest.name}) that this start would not continue "
+        f"({how}), and its saves would overwrite them",
+        "set checkpoint.load=auto to resume them, or give this start a new logging.run_dir (or "
+        "checkpoint.save_dir); to start from other weights in a job that may be requeued, use "
+        "checkpoint.init_from",
+    )
 
 
 def update_tracker(save_dir: Path, iteration: int) -> None:

@@ -312,9 +312,13 @@ class Checkpointer:
 
     def _resolve_on_main(self) -> tuple[str | None, list[str], str | None]:
         try:
-            decision = files.resolve_load(self.options.load, self.save_dir, self.options.verify_checksums)
+            decision = files.resolve_load(
+                self.options.load, self.save_dir, self.options.verify_checksums, self.options.finetune
+            )
         except CheckpointError as err:
             return None, [], f"checkpoint.load: {err}. Fix checkpoint.load (or set it to auto / none)"
+        except errors.ConfigError as err:
+            return None, [], str(err)
         return (str(decision.path) if decision.path else None), decision.notes, None
 
     def resolve(self) -> Path | None:
