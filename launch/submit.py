@@ -1,6 +1,6 @@
 """Submit a pretraining job to Slurm: preflight first, then sbatch launch/slurm/pretrain.sbatch.
 
-    python launch/submit.py --config configs/llama3_8b.yaml --nodes 4 --time 24:00:00 \
+    python launch/submit.py --config configs/llama3_8b.yaml --nodes 4 --time 24:00:00 \\
         --partition gpu --account myproj [--container-image nvcr.io#...] [key=value ...]
 
 Nothing is submitted when the preflight finds a problem (exit 2). --dry-run prints the sbatch

@@ -47,6 +47,7 @@ def _entry(name: str) -> Callable[[list[str]], int]:
                 "preprocess": "tools/preprocess_data.py",
                 "merge": "tools/merge_datasets.py",
                 "tokenizer": "tools/train_tokenizer.py",
+                "corpus": "tools/stdlib_corpus.py",
             }[name]
         )
     return main
@@ -901,6 +902,13 @@ CASES = [
         "--seed",
     ),
     Case(
+        "generate-temperature-when-greedy",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--temperature", "0.7"),
+        "applies only when sampling with --top-p",
+    ),
+    Case("generate-seed-when-greedy", "generate", _args("--ckpt", f"WS/{CKPT}", "--seed", "7"), "'--seed'"),
+    Case(
         "generate-zero-temperature",
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--top-p", "0.9", "--temperature", "0"),
@@ -1287,6 +1295,12 @@ CASES = [
         _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/corpus/", "--vocab-size", "300"),
         "names a folder",
     ),
+    # the demo's corpus
+    Case("corpus-exists", "corpus", _args("--output", "WS/corpus/stdlib.jsonl"), "already exists"),
+    Case("corpus-is-a-folder", "corpus", _args("--output", "WS/corpus/"), "is a folder"),
+    Case("corpus-not-yet-a-folder", "corpus", _args("--output", "WS/cases/new/"), "is a folder"),
+    Case("corpus-inside-a-file", "corpus", _args("--output", "WS/cfg.yaml/c.jsonl"), "is a file"),
+    Case("corpus-no-files", "corpus", _args("--output", "WS/cases/c.jsonl", "--max-files", "0"), "'0'"),
 ]
 
 
@@ -1294,7 +1308,7 @@ def test_the_catalogue_is_large_and_distinct():
     assert len(CASES) >= 60
     assert len({c.id for c in CASES}) == len(CASES)
     assert {c.entry for c in CASES} == {"train", "preflight", "submit", "convert", "generate", "inspect",
-                                        "preprocess", "merge", "tokenizer"}  # fmt: skip
+                                        "preprocess", "merge", "tokenizer", "corpus"}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -1334,7 +1348,7 @@ def test_each_entry_point_alone_in_its_process_prints_only_the_error_line(ws):
                 "submit": ["launch/submit.py"], "convert": ["tools/convert_checkpoint.py"],
                 "generate": ["tools/generate.py"], "inspect": ["tools/inspect_checkpoint.py"],
                 "preprocess": ["tools/preprocess_data.py"], "merge": ["tools/merge_datasets.py"],
-                "tokenizer": ["tools/train_tokenizer.py"]}  # fmt: skip
+                "tokenizer": ["tools/train_tokenizer.py"], "corpus": ["tools/stdlib_corpus.py"]}  # fmt: skip
     first = {}
     for case in CASES:
         if case.setup is None and case.code == 2 and case.env is None:
@@ -1370,5 +1384,6 @@ def test_readme_lists_exit_codes_per_entry_point():
     section = readme[readme.index("## Exit codes") :]
     for entry in ("megatron_train.train", "megatron_train.preflight", "launch/submit.py",
                   "tools/convert_checkpoint.py", "tools/generate.py", "tools/inspect_checkpoint.py",
-                  "tools/preprocess_data.py", "tools/train_tokenizer.py"):  # fmt: skip
+                  "tools/preprocess_data.py", "tools/train_tokenizer.py",
+                  "tools/stdlib_corpus.py"):  # fmt: skip
         assert entry in section, entry

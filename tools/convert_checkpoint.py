@@ -1,11 +1,12 @@
 """Convert between Hugging Face model directories and megatron-train checkpoints.
 
-    python tools/convert_checkpoint.py import-hf --hf meta-llama/Llama-3.1-8B --out ckpt/llama31 --tp 2 --pp 2
+    python tools/convert_checkpoint.py import-hf --hf /models/Llama-3.1-8B --out ckpt/llama31 --tp 2 --pp 2
     python tools/convert_checkpoint.py export-hf --ckpt runs/x/checkpoints --out hf/x [--dtype bfloat16]
 
-Families: Llama 2 / 3 / 3.1, Mistral, Qwen2. Imported checkpoints load at any TP / PP (``--tp`` /
-``--pp`` are checked against the model and recorded as its layout). Both directions stream one
-tensor at a time and write into a temporary directory renamed into place at the end.
+Families: Llama 2 / 3 / 3.1, Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral. Imported checkpoints
+load at any TP / PP (``--tp`` / ``--pp`` are checked against the model and recorded as its
+layout). Both directions stream one tensor at a time and write into a temporary directory renamed
+into place at the end.
 Exit codes: 0 done, 2 bad input (the message names it and the fix).
 """
 

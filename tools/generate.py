@@ -1,11 +1,12 @@
 """Sample text from a megatron-train checkpoint, as a sanity check (no KV cache: short outputs only).
 
     python tools/generate.py --ckpt runs/demo/checkpoints --prompt "def main(" --max-new-tokens 40
-    python -m megatron_train.torchrun --nproc-per-node 4 tools/generate.py --ckpt ckpt/llama \
+    python -m megatron_train.torchrun --nproc-per-node 4 tools/generate.py --ckpt ckpt/llama \\
         --tp 2 --pp 2 --top-p 0.9 --prompt "Hi"
 
 Greedy by default; ``--top-p`` samples from the smallest set of tokens whose probability reaches p
-(at ``--temperature``, seeded by ``--seed``). Runs at any TP x PP that fills the launched ranks.
+(at ``--temperature``, default 1, seeded by ``--seed``, default 0); either without ``--top-p`` is
+refused, as greedy decoding would ignore it. Runs at any TP x PP that fills the launched ranks.
 Exit codes: 0 done, 2 bad input.
 """
 
@@ -80,13 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     prompt.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=32)
     parser.add_argument("--top-p", type=cli.probability, help="nucleus sampling threshold (default: greedy)")
-    parser.add_argument("--temperature", type=cli.positive_float, default=1.0)
-    parser.add_argument("--seed", type=cli.seed, default=0)
+    parser.add_argument("--temperature", type=cli.positive_float, help="with --top-p (default 1)")
+    parser.add_argument("--seed", type=cli.seed, help="with --top-p (default 0)")
     parser.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline-parallel size")
     parser.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint config's)")
     args = parser.parse_args(argv)
-
     return cli.run(lambda: generate(args))
 
 
@@ -94,6 +94,13 @@ def generate(args: argparse.Namespace) -> None:
     from megatron_train import inference, runtime
     from megatron_train.inputs import checked_tokenizer
 
+    if args.top_p is None and (args.temperature is not None or args.seed is not None):
+        flag = "--temperature" if args.temperature is not None else "--seed"
+        raise ConfigError(
+            flag,
+            "applies only when sampling with --top-p; greedy decoding would ignore it",
+            f"add --top-p (1 samples from the whole distribution) or drop {flag}",
+        )
     path, cfg = inference.checkpoint_config(args.ckpt, args.tp, args.pp)
     tokenizer = None
     if args.prompt_ids is not None:
@@ -120,12 +127,12 @@ def generate(args: argparse.Namespace) -> None:
         )
     rt = runtime.initialize(cfg, env)
     model = inference.load_for_inference(path, cfg, rt)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed or 0)
     prompt_len = len(ids)
     for _ in range(args.max_new_tokens):
         tokens = torch.tensor([ids], device=rt.device)
         last = inference.logits(model, tokens, cfg.model.vocab_size)[0, -1].cpu()
-        choice = torch.tensor([next_token(last, args.top_p, args.temperature, gen)], device=rt.device)
+        choice = torch.tensor([next_token(last, args.top_p, args.temperature or 1.0, gen)], device=rt.device)
         torch.distributed.broadcast(choice, src=0)  # every rank continues with rank 0's token
         ids.append(int(choice))
     if rt.is_main:

@@ -1,6 +1,6 @@
 """Tokenize a corpus into megatron indexed datasets (PREFIX.bin + PREFIX.idx).
 
-    python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' more/ one.parquet \
+    python tools/preprocess_data.py --input 'corpus/*.jsonl.zst' more/ one.parquet \\
         --output-prefix data/corpus --tokenizer-type sentencepiece --tokenizer tok/spm.model
     python tools/preprocess_data.py --input corpus/ --output-dir data/shards ...   # one per input file
 

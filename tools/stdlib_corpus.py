@@ -1,38 +1,54 @@
 """Write the Python standard library's own source files as a jsonl corpus (the demo's data).
 
-Every machine with Python has these files, so the demo needs no download.
+Every machine with Python has these files, so the demo needs no download. The file appears only
+once complete and never replaces an existing one. Exit codes: 0 done, 2 bad input.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 import sysconfig
 from pathlib import Path
 
+from megatron_train import cli
+from megatron_train.errors import ConfigError
+from megatron_train.outputs import check_new_files, check_output_dir, made_dir
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output", required=True, help="jsonl file to write")
-    parser.add_argument("--max-files", type=int, default=None)
-    args = parser.parse_args(argv)
+
+def write_corpus(text: str, max_files: int | None) -> None:
+    out = Path(text)
+    if out.is_dir() or text.endswith(("/", os.sep)):
+        raise ConfigError("--output", f"{out} is a folder", f"name a file in it, e.g. {out / 'stdlib.jsonl'}")
+    check_output_dir("--output", out.parent)
+    check_new_files("--output", out, ("",))
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     written = 0
-    with open(out.with_suffix(".tmp"), "w") as f:
-        for path in files[: args.max_files]:
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            f.write(json.dumps({"text": text, "path": str(path.relative_to(root))}) + "\n")
-            written += 1
-    out.with_suffix(".tmp").replace(out)
+    with made_dir(out.parent):
+        tmp = out.with_name(out.name + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                for path in files[:max_files]:
+                    try:
+                        text = path.read_text(encoding="utf-8")
+                    except (UnicodeDecodeError, OSError):
+                        continue
+                    f.write(json.dumps({"text": text, "path": str(path.relative_to(root))}) + "\n")
+                    written += 1
+            tmp.replace(out)
+        finally:
+            tmp.unlink(missing_ok=True)
     print(f"wrote {written} files from {root} to {out}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.ArgumentParser(description=__doc__)
+    parser.add_argument("--output", required=True, type=cli.non_empty, help="jsonl file to write")
+    parser.add_argument("--max-files", type=cli.positive_int, default=None)
+    args = parser.parse_args(argv)
+    return cli.run(lambda: write_corpus(args.output, args.max_files))
 
 
 if __name__ == "__main__":
