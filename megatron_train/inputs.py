@@ -47,6 +47,17 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
     sizes agree with each other and with the ``.bin`` (reading a few bytes, whatever the size);
     problems are ConfigErrors at ``key``."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    stem = prefix[: -len(".bin")]
+    if prefix.endswith((".bin", ".idx")) and Path(stem + ".idx").is_file():
+        raise ConfigError(key, f"{prefix} is a file of a dataset, not its prefix", f"drop the suffix: {stem}")
+    if Path(prefix).is_dir():
+        example = next((str(p.with_suffix("")) for p in sorted(Path(prefix).glob("*.idx"))), None)
+        fix = (
+            f"name each dataset in it by prefix (e.g. {example}), or join them with tools/merge_datasets.py"
+            if example
+            else "name a dataset by its prefix: PREFIX for PREFIX.bin and PREFIX.idx"
+        )
+        raise ConfigError(key, f"{prefix} is a folder, not a dataset prefix", fix)
     for path in (bin_, idx):
         if not path.is_file():
             raise ConfigError(key, f"{path} does not exist", _REPREPROCESS)

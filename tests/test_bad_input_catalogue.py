@@ -387,6 +387,14 @@ CASES = [
     ),
     Case("blend-negative-weight", "train", _train("data.blend=[-1, WS/corpus/stdlib]"), "'data.blend'"),
     Case("blend-missing-idx", "train", _train("data.blend=[WS/corpus/nothing]"), "does not exist"),
+    Case("blend-names-the-bin", "train", _train("data.blend=[WS/corpus/stdlib.bin]"), "drop the suffix"),
+    Case("blend-names-a-folder", "train", _train("data.blend=[WS/corpus]"), "e.g. "),
+    Case(
+        "merge-input-names-the-idx",
+        "merge",
+        _args("--input", "WS/corpus/stdlib.idx", "--output-prefix", "WS/x"),
+        "prefix",
+    ),
     Case(
         "bin-truncated",
         "train",
