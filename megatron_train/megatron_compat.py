@@ -23,6 +23,7 @@ from megatron.core import package_info
 from megatron.core import utils as mcore_utils
 from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
@@ -77,6 +78,19 @@ def use_async_results_queue(queue: Any) -> None:
     in the private module global ``_results_queue``.
     """
     filesystem_async._results_queue = queue
+
+
+def fork_last_async_call_again(queue: AsyncCallsQueue) -> None:
+    """Kill the writer process of the newest call on ``queue`` and fork a new one for it.
+
+    0.16: ``AsyncCallsQueue.async_calls`` holds ``(idx, caller, request)`` per call; a
+    ``TemporalAsyncCaller`` keeps the process it forked in ``process``, and its
+    ``schedule_async_call`` forks for a request as the queue passes it (its index, no finalizers).
+    """
+    idx, caller, request = queue.async_calls[-1]
+    caller.process.kill()
+    caller.process.join()
+    caller.schedule_async_call(request._replace(call_idx=idx, finalize_fns=[]))
 
 
 def init_optimizer_state(opt: DistributedOptimizer) -> None:

@@ -265,6 +265,53 @@ def test_kill_during_async_save_resumes_from_previous_complete(tmp_path, corpus)
     assert [r["step"] for r in records(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
+# Run in the training process through sitecustomize: the first process it forks (the first
+# save's writer) hangs before running any Python of its own, where CPython before 3.11.10 leaves
+# a child forked while another thread held its thread list lock (gh-112275).
+HANG_FIRST_FORKED_CHILD = """
+import os
+import time
+
+
+def _hang_first_forked_child():
+    try:
+        os.close(os.open({marker!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    time.sleep(3600)
+
+
+os.register_at_fork(after_in_child=_hang_first_forked_child)
+"""
+
+
+def test_a_writer_stuck_after_fork_is_forked_again_and_its_checkpoint_resumes_exactly(tmp_path, corpus):
+    hook, marker = tmp_path / "hook", tmp_path / "hung-once"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HANG_FIRST_FORKED_CHILD.format(marker=str(marker)))
+    train = {"steps": 4, "eval_interval": 0}
+    checkpoint = {"interval": 2}
+    config = write_config(tmp_path / "a.yaml", corpus, tmp_path / "a", checkpoint=checkpoint, train=train)
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config)]
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert marker.exists(), "no writer was forked"
+    assert "rank 0: the checkpoint writer forked for this save did not start within 10 s" in result.stdout
+    assert "checkpoint step 2 complete" in result.stdout and "checkpoint step 4 complete" in result.stdout
+    save_dir = tmp_path / "a" / "checkpoints"
+    files.verify(files.iteration_dir(save_dir, 2), checksums=True)
+
+    # The re-forked writer's checkpoint holds step 2's state: training on from it repeats steps 3-4.
+    resumed_dir = tmp_path / "b" / "checkpoints" / "iter_0000002"
+    shutil.copytree(files.iteration_dir(save_dir, 2), resumed_dir)
+    resumed = single_rank(
+        write_config(tmp_path / "b.yaml", corpus, tmp_path / "b", checkpoint=checkpoint, train=train)
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert metric_lines(tmp_path / "b") == metric_lines(tmp_path / "a")[2:]
+
+
 def test_a_save_the_file_system_refuses_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, trained):
     run = tmp_path / "run"
     shutil.copytree(trained["run"], run)

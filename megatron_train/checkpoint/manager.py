@@ -13,6 +13,7 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import threading
@@ -83,16 +84,54 @@ def _serve_while_parent_lives() -> None:
 # training step is, and on a busy node (data workers, a few cores per GPU) the two compete.
 WRITER_NICENESS = 10
 
+# How long a save waits for its forked writer to run its first line before forking it again. A
+# healthy child gets there in milliseconds; one forked while another thread held CPython's thread
+# list lock never does (below).
+WRITER_START_TIMEOUT_S = 10.0
 
-def _yielding(write: Callable) -> Callable:
-    """``write`` (megatron's writer entry point, run in the forked writer) at a lower CPU priority."""
+
+def _in_writer(write: Callable, started_fd: int) -> Callable:
+    """``write`` (megatron's writer entry point, run in the forked writer) reporting on
+    ``started_fd`` that the child runs, then writing at a lower CPU priority."""
 
     @functools.wraps(write)
     def run(*args, **kwargs):
+        os.write(started_fd, b"s")
         os.nice(WRITER_NICENESS)
         return write(*args, **kwargs)
 
     return run
+
+
+def _schedule_watched(queue: AsyncCallsQueue, request, notice: Callable[[str], None]) -> None:
+    """Hand ``request`` to megatron's queue, which forks a writer process for it, and see that the
+    writer starts.
+
+    CPython before 3.11.10 (gh-112275) deadlocks a forked child that inherits its thread list
+    lock held, and gloo's worker threads take that lock whenever they free a tensor Python knows
+    of (a new thread state each time), so now and then a writer hangs before it runs any Python
+    and the save waits for it forever. A writer silent for WRITER_START_TIMEOUT_S is killed (it
+    has written nothing) and forked again.
+    """
+    if request.async_fn is None:  # nothing for this rank to write
+        queue.schedule_async_request(request)
+        return
+    read_fd, write_fd = os.pipe()
+    try:
+        queue.schedule_async_request(request._replace(async_fn=_in_writer(request.async_fn, write_fd)))
+        while not select.select([read_fd], [], [], WRITER_START_TIMEOUT_S)[0]:
+            notice(
+                f"rank {torch.distributed.get_rank()}: the checkpoint writer forked for this save did not "
+                f"start within {WRITER_START_TIMEOUT_S:.0f} s (a fork-time deadlock of Python before "
+                "3.11.10); forking it again"
+            )
+            megatron_compat.fork_last_async_call_again(queue)
+            # A child that reported just before it was killed leaves a byte behind.
+            while select.select([read_fd], [], [], 0)[0]:
+                os.read(read_fd, 64)
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
 
 
 def _start_results_manager() -> None:
@@ -201,9 +240,7 @@ class Checkpointer:
             )  # fmt: skip
         request.add_finalize_fn(lambda: self._finalize(iteration, path, start, record_fields(common)))
         if self._queue is not None:
-            if request.async_fn is not None:
-                request = request._replace(async_fn=_yielding(request.async_fn))
-            self._queue.schedule_async_request(request)
+            _schedule_watched(self._queue, request, functools.partial(print, flush=True))
         else:
             with self._failed_writes_reported():
                 request.execute_sync()
