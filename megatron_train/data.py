@@ -135,10 +135,12 @@ class PretrainingSampler:
         return (self.total - self.consumed) // (self.micro_batch_size * self.dp_size)
 
 
-def batch_iterator(
+def batch_loader(
     dataset: GPTDataset, consumed_samples: int, cfg: ExperimentConfig, num_samples: int | None = None
-) -> Iterator[dict[str, torch.Tensor]]:
-    """An iterator of micro-batches for this rank, starting after ``consumed_samples``."""
+) -> torch.utils.data.DataLoader:
+    """The micro-batches for this rank, starting after ``consumed_samples``, as a loader each
+    ``iter()`` of which starts there again; its worker processes are forked on the first and
+    serve every later one."""
     sampler = PretrainingSampler(
         total=num_samples or len(dataset),
         consumed=consumed_samples,
@@ -146,11 +148,17 @@ def batch_iterator(
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
     )
-    loader = torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=cfg.data.num_workers > 0,
     )
-    return iter(loader)
+
+
+def batch_iterator(
+    dataset: GPTDataset, consumed_samples: int, cfg: ExperimentConfig, num_samples: int | None = None
+) -> Iterator[dict[str, torch.Tensor]]:
+    """An iterator of micro-batches for this rank, starting after ``consumed_samples``."""
+    return iter(batch_loader(dataset, consumed_samples, cfg, num_samples))

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from megatron_train.config import ExperimentConfig
-from megatron_train.data import batch_iterator
+from megatron_train.data import batch_loader
 from megatron_train.metrics import MetricsLogger
 from megatron_train.step import Stepper
 
@@ -23,6 +24,10 @@ class Evaluator:
         self, cfg: ExperimentConfig, stepper: Stepper, dataset: GPTDataset | None, log: MetricsLogger
     ):
         self.cfg, self.stepper, self.dataset, self.log = cfg, stepper, dataset, log
+        # Made once: each validation reads the same samples, and new loaders would fork their
+        # workers again every time (their start-up, and on Python < 3.11.10 a chance that a child
+        # forked beside a communication thread deadlocks at birth, CPython gh-112275).
+        self._loaders: list[torch.utils.data.DataLoader] | None = None
 
     def after_step(self, step: int) -> None:
         """Validate and log if due (on every rank: validation runs the pipeline schedule)."""
@@ -30,6 +35,10 @@ class Evaluator:
             return
         t = self.cfg.train
         samples = t.eval_steps * t.global_batch_size
-        chunks = len(self.stepper.model)
-        iters = [batch_iterator(self.dataset, 0, self.cfg, num_samples=samples) for _ in range(chunks)]
+        if self._loaders is None:
+            chunks = len(self.stepper.model)
+            self._loaders = [
+                batch_loader(self.dataset, 0, self.cfg, num_samples=samples) for _ in range(chunks)
+            ]
+        iters = [iter(loader) for loader in self._loaders]
         self.log.log_validation(step, self.stepper.evaluate(iters, t.eval_steps))

@@ -38,6 +38,19 @@ def test_single_rank_run_writes_metrics_and_config(baseline):
     assert (baseline / "config.yaml").is_file()
 
 
+def test_data_workers_read_the_batches_the_training_process_reads(tmp_path, corpus, baseline):
+    """With worker processes, the training batches and each validation pass (its loader and
+    workers serve every pass again, from the first sample) are those read without them."""
+    result = torchrun(1, write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"), "data.num_workers=2")
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    def numbers(run_dir: Path) -> list[tuple]:
+        return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records(run_dir)]
+
+    assert numbers(tmp_path / "run") == numbers(baseline)
+    assert sum(r.get("val_loss") is not None for r in records(baseline)) == 2
+
+
 # Adam turns fp32 reduction-order noise (TP splits matmul sums) into update differences that grow
 # each step; a pretraining-scale learning rate keeps 6 steps well inside 1e-5.
 SMALL_LR = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2}
