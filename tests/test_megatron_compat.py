@@ -4,11 +4,12 @@ work around fails here, naming the entry to revisit."""
 
 from __future__ import annotations
 
+import collections
 import inspect
 import re
 import textwrap
 
-from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mcore_random
 from packaging.specifiers import SpecifierSet
@@ -39,6 +40,13 @@ def test_private_names_we_use_still_exist():
         assert not mcore_random.CheckpointWithoutOutput().fp8
     tracker_fork = inspect.getsource(mcore_random.CudaRNGStatesTracker.fork)
     assert "_get_cuda_rng_state" in tracker_fork and "_set_cuda_rng_state" in tracker_fork
+    # fork_last_async_call_again (test_checkpoint hangs a writer to run it).
+    assert async_utils._ActiveAsyncRequest._fields == ("idx", "async_caller", "async_request")
+    assert isinstance(async_utils.AsyncCallsQueue().async_calls, collections.deque)
+    assert "self.process = ctx.Process(" in inspect.getsource(
+        async_utils.TemporalAsyncCaller.schedule_async_call
+    )
+    assert "get_context('fork')" in inspect.getsource(async_utils.TemporalAsyncCaller.schedule_async_call)
 
 
 def test_dp_reshardable_load_still_copies_the_requested_step_with_autograd_on():
