@@ -117,9 +117,12 @@ def _schedule_watched(queue: AsyncCallsQueue, request, notice: Callable[[str], N
         queue.schedule_async_request(request)
         return
     read_fd, write_fd = os.pipe()
+    # poll, not select: a large job's process can hold more file descriptors than select takes.
+    started = select.poll()
+    started.register(read_fd, select.POLLIN)
     try:
         queue.schedule_async_request(request._replace(async_fn=_in_writer(request.async_fn, write_fd)))
-        while not select.select([read_fd], [], [], WRITER_START_TIMEOUT_S)[0]:
+        while not started.poll(WRITER_START_TIMEOUT_S * 1000):
             notice(
                 f"rank {torch.distributed.get_rank()}: the checkpoint writer forked for this save did not "
                 f"start within {WRITER_START_TIMEOUT_S:.0f} s (a fork-time deadlock of Python before "
@@ -127,7 +130,7 @@ def _schedule_watched(queue: AsyncCallsQueue, request, notice: Callable[[str], N
             )
             megatron_compat.fork_last_async_call_again(queue)
             # A child that reported just before it was killed leaves a byte behind.
-            while select.select([read_fd], [], [], 0)[0]:
+            while started.poll(0):
                 os.read(read_fd, 64)
     finally:
         os.close(read_fd)
