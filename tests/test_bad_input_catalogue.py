@@ -695,6 +695,7 @@ CASES = [
             "WS/cfg.yaml",
             "--gpus-per-node",
             "1",
+            FRESH,
             "checkpoint.load=WS/cases/preflight-common-garbage/ckpt/iter_0000004",
         ),
         "common.pt",
