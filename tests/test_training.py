@@ -41,7 +41,7 @@ def test_single_rank_run_writes_metrics_and_config(baseline):
 def test_data_workers_read_the_batches_the_training_process_reads(tmp_path, corpus, baseline):
     """With worker processes, the training batches and each validation pass (its loader and
     workers serve every pass again, from the first sample) are those read without them."""
-    result = torchrun(1, write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"), "data.num_workers=2")
+    result = torchrun(1, write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"), "data.num_workers=1")
     assert result.returncode == 0, result.stderr[-4000:]
 
     def numbers(run_dir: Path) -> list[tuple]:
