@@ -214,11 +214,14 @@ def physical_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def checked_tokenizer(kind: str, path: str | None, key: str = "data.tokenizer.path") -> MegatronTokenizerBase:
-    """The tokenizer at ``path``, loaded as ``kind``; anything that is not one is a ConfigError."""
+def checked_tokenizer(
+    kind: str, path: str | None, key: str = "data.tokenizer.path", type_key: str = "data.tokenizer.type"
+) -> MegatronTokenizerBase:
+    """The tokenizer at ``path``, loaded as ``kind``; anything that is not one is a ConfigError at
+    ``key`` (whose fix may name ``type_key``, the option giving the type)."""
     if path is None:
         raise ConfigError(key, "no tokenizer given", "set the tokenizer path")
-    with tokenizer_loading(kind, path, key, type_key="data.tokenizer.type"):
+    with tokenizer_loading(kind, path, key, type_key=type_key):
         tokenizer = load_tokenizer(kind, path)
         tokenizer.vocab_size  # noqa: B018 - some loaders fail only here
     return tokenizer

@@ -911,6 +911,14 @@ CASES = [
         "--seed",
     ),
     Case(
+        "generate-tokenizer-of-another-type",
+        "generate",
+        _args(
+            "--ckpt", f"WS/{CKPT}", "--tokenizer", "WS/corpus/spm.model", "--tokenizer-type", "huggingface"
+        ),
+        "set --tokenizer-type to the type it is",
+    ),
+    Case(
         "generate-temperature-when-greedy",
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--temperature", "0.7"),

@@ -200,6 +200,15 @@ def test_trained_checkpoint_exports_and_generates_text_in_transformers(tmp_path,
         sampled.stdout.count("ids:") == 1 and len(sampled.stdout.split("ids:")[1].split()[0].split(",")) == 8
     )
 
+    # Imported back, the model's tokenizer is the exported HF one; the run's SentencePiece model,
+    # named with its type, gives the same tokens.
+    imported = tmp_path / "imported"
+    convert("import-hf", "--hf", str(out), "--out", str(imported))
+    greedy = ["tools/generate.py", "--ckpt", str(imported), "--prompt", "def main(", "--max-new-tokens", "6"]
+    with_hf = run_tool(*greedy)
+    with_spm = run_tool(*greedy, "--tokenizer", str(corpus["tokenizer"]), "--tokenizer-type", "sentencepiece")
+    assert with_hf.stdout.startswith("ids: ") and with_spm.stdout == with_hf.stdout
+
 
 def _expect_error(*args: str, needle: str, out=None) -> None:
     result = convert(*args, check=False)

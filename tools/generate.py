@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline-parallel size")
     parser.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint config's)")
+    parser.add_argument(
+        "--tokenizer-type",
+        choices=["sentencepiece", "huggingface"],
+        help="what --tokenizer is (default: the checkpoint config's tokenizer type)",
+    )
     args = parser.parse_args(argv)
     return cli.run(lambda: generate(args))
 
@@ -107,7 +112,8 @@ def generate(args: argparse.Namespace) -> None:
         ids = prompt_ids(args.prompt_ids, cfg.model.vocab_size)
     else:
         tok_path = args.tokenizer or cfg.data.tokenizer.path
-        tokenizer = checked_tokenizer(cfg.data.tokenizer.type, tok_path, key="--tokenizer")
+        kind = args.tokenizer_type or cfg.data.tokenizer.type
+        tokenizer = checked_tokenizer(kind, tok_path, key="--tokenizer", type_key="--tokenizer-type")
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 "--tokenizer",
