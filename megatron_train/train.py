@@ -9,6 +9,7 @@ train.exit_after_minutes after saving a checkpoint: run the same command again t
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -208,6 +209,9 @@ def _main(argv: list[str] | None) -> int:
             cli.report(err)
         return EXIT_BAD_CONFIG
     rt = runtime.initialize(cfg, env)
+    # A rank that a native crash kills (a communication library's segfault, say) prints where each
+    # of its threads was, where it would otherwise leave only its exit signal and the peers' errors.
+    faulthandler.enable()
     try:
         run_dir, exit_code = train(cfg, rt)
     except BAD_INPUT as err:  # a bad checkpoint or Hugging Face directory to start from

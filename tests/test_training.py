@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -157,6 +158,21 @@ def test_nan_loss_stops_with_the_step(tmp_path, corpus):
     result = torchrun(1, config, "optimizer.clip_grad=0")
     assert result.returncode != 0
     assert "is not finite" in result.stderr and "step " in result.stderr
+
+
+def test_a_rank_killed_by_a_native_crash_prints_where_its_threads_were(tmp_path, corpus):
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400})
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config)]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            break
+    proc.send_signal(signal.SIGSEGV)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in err and "megatron_train/train.py" in err, err[-3000:]
 
 
 def test_the_local_launcher_ends_with_the_ranks_own_exit_code(tmp_path, corpus):
