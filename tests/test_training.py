@@ -39,17 +39,42 @@ def test_single_rank_run_writes_metrics_and_config(baseline):
     assert (baseline / "config.yaml").is_file()
 
 
+# Through sitecustomize, every process a test's Python forks appends its parent's pid to a file.
+RECORD_FORKS = """
+import os
+
+
+def _record_fork():
+    fd = os.open({record!r}, os.O_CREAT | os.O_APPEND | os.O_WRONLY)
+    os.write(fd, f"{{os.getppid()}}\\n".encode())
+    os.close(fd)
+
+
+os.register_at_fork(after_in_child=_record_fork)
+"""
+
+
 def test_data_workers_read_the_batches_the_training_process_reads(tmp_path, corpus, baseline):
-    """With worker processes, the training batches and each validation pass (its loader and
-    workers serve every pass again, from the first sample) are those read without them."""
-    result = torchrun(1, write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"), "data.num_workers=1")
-    assert result.returncode == 0, result.stderr[-4000:]
+    """With worker processes, the training batches and each validation pass are those read
+    without them; validation's loader and its worker are made once and serve every pass."""
+    hook, forks = tmp_path / "hook", tmp_path / "forks"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RECORD_FORKS.format(record=str(forks)))
+    # No checkpoint: the async writer is a forked process too.
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", checkpoint={"save_at_end": False})
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), "data.num_workers=1"]
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-4000:]
 
     def numbers(run_dir: Path) -> list[tuple]:
         return [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("val_loss")) for r in records(run_dir)]
 
     assert numbers(tmp_path / "run") == numbers(baseline)
     assert sum(r.get("val_loss") is not None for r in records(baseline)) == 2
+    # One worker for training, one for validation (not one per validation pass).
+    assert forks.read_text().split().count(str(proc.pid)) == 2
 
 
 # Adam turns fp32 reduction-order noise (TP splits matmul sums) into update differences that grow
