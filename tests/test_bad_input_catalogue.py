@@ -1314,8 +1314,8 @@ CASES = [
     ),
     # the demo's corpus
     Case("corpus-exists", "corpus", _args("--output", "WS/corpus/stdlib.jsonl"), "already exists"),
-    Case("corpus-is-a-folder", "corpus", _args("--output", "WS/corpus/"), "is a folder"),
-    Case("corpus-not-yet-a-folder", "corpus", _args("--output", "WS/cases/new/"), "is a folder"),
+    Case("corpus-is-a-folder", "corpus", _args("--output", "WS/corpus/"), "names a folder"),
+    Case("corpus-not-yet-a-folder", "corpus", _args("--output", "WS/cases/new/"), "names a folder"),
     Case("corpus-inside-a-file", "corpus", _args("--output", "WS/cfg.yaml/c.jsonl"), "is a file"),
     Case("corpus-no-files", "corpus", _args("--output", "WS/cases/c.jsonl", "--max-files", "0"), "'0'"),
 ]

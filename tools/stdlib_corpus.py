@@ -7,22 +7,16 @@ once complete and never replaces an existing one. Exit codes: 0 done, 2 bad inpu
 from __future__ import annotations
 
 import json
-import os
 import sys
 import sysconfig
 from pathlib import Path
 
 from megatron_train import cli
-from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_new_files, check_output_dir, made_dir
+from megatron_train.outputs import made_dir, output_prefix
 
 
-def write_corpus(text: str, max_files: int | None) -> None:
-    out = Path(text)
-    if out.is_dir() or text.endswith(("/", os.sep)):
-        raise ConfigError("--output", f"{out} is a folder", f"name a file in it, e.g. {out / 'stdlib.jsonl'}")
-    check_output_dir("--output", out.parent)
-    check_new_files("--output", out, ("",))
+def write_corpus(output: str, max_files: int | None) -> None:
+    out = output_prefix("--output", output, ("",))
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
     written = 0

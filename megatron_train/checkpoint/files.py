@@ -198,21 +198,20 @@ def resolve_load(load: str, save_dir: Path, checksums: bool = False, finetune: b
     """Apply ``checkpoint.load``: ``none``, ``auto`` (newest complete checkpoint in ``save_dir``,
     torn newer ones reported) or an explicit path (must be complete, else CheckpointError). A
     start that would not continue the checkpoints ``save_dir`` already holds is a ConfigError."""
-    if load == "none":
-        decision = LoadDecision(None, ["checkpoint.load=none: starting from freshly initialised weights"])
-    elif load == "auto":
+    if load == "auto":  # continues save_dir by definition (the config refuses it with finetune)
         point = find_latest_complete(save_dir, checksums)
         notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
         if point.path is None:
             notes.append(f"no complete checkpoint in {save_dir}: starting fresh")
-        decision = LoadDecision(point.path, notes)
-    else:
-        decision = LoadDecision(resolve_explicit(Path(load), checksums), [])
-    _check_continues_save_dir(decision.path, load, save_dir, finetune)
-    return decision
+        return LoadDecision(point.path, notes)
+    start = None if load == "none" else resolve_explicit(Path(load), checksums)
+    _check_continues_save_dir(start, save_dir, finetune)
+    if start is None:
+        return LoadDecision(None, ["checkpoint.load=none: starting from freshly initialised weights"])
+    return LoadDecision(start, [])
 
 
-def _check_continues_save_dir(start: Path | None, load: str, save_dir: Path, finetune: bool) -> None:
+def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool) -> None:
     """A start from anything but ``save_dir``'s own checkpoints (fresh weights, another run's, or
     weights only) would write its steps over the complete checkpoints there and rotate the rest
     away; a fine-tuning job requeued after its first save would start over from the base model.

@@ -103,7 +103,7 @@ def _in_writer(write: Callable, started_fd: int) -> Callable:
     return run
 
 
-def _schedule_watched(queue: AsyncCallsQueue, request, notice: Callable[[str], None]) -> None:
+def _schedule_watched(queue: AsyncCallsQueue, request) -> None:
     """Hand ``request`` to megatron's queue, which forks a writer process for it, and see that the
     writer starts.
 
@@ -123,10 +123,11 @@ def _schedule_watched(queue: AsyncCallsQueue, request, notice: Callable[[str], N
     try:
         queue.schedule_async_request(request._replace(async_fn=_in_writer(request.async_fn, write_fd)))
         while not started.poll(WRITER_START_TIMEOUT_S * 1000):
-            notice(
+            print(
                 f"rank {torch.distributed.get_rank()}: the checkpoint writer forked for this save did not "
                 f"start within {WRITER_START_TIMEOUT_S:.0f} s (a fork-time deadlock of Python before "
-                "3.11.10); forking it again"
+                "3.11.10); forking it again",
+                flush=True,
             )
             megatron_compat.fork_last_async_call_again(queue)
             # A child that reported just before it was killed leaves a byte behind.
@@ -243,7 +244,7 @@ class Checkpointer:
             )  # fmt: skip
         request.add_finalize_fn(lambda: self._finalize(iteration, path, start, record_fields(common)))
         if self._queue is not None:
-            _schedule_watched(self._queue, request, functools.partial(print, flush=True))
+            _schedule_watched(self._queue, request)
         else:
             with self._failed_writes_reported():
                 request.execute_sync()
