@@ -46,13 +46,23 @@ def dataset_files(prefix: Path) -> Iterator[tuple[Path, Path]]:
 
 
 def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
-    """The checked ``--output-prefix`` ``text``: it names files (not a folder), their folder is
-    writable or can be made, and none of ``prefix`` + suffix exists yet."""
+    """The checked ``--output-prefix`` ``text``: it names files (not a folder) without one of their
+    ``suffixes``, their folder is writable or can be made, and none of ``prefix`` + suffix exists
+    yet."""
     if not text or text.endswith(("/", os.sep)) or Path(text).name in ("", ".", ".."):
         raise ConfigError(
             key,
             f"{text!r} names a folder, not files: the output would go beside it",
             f"end it with a file name stem, e.g. {os.path.join(text or '.', 'corpus')}",
+        )
+    given = next((suffix for suffix in suffixes if suffix and text.endswith(suffix)), None)
+    if given:
+        # Every tool adds the suffixes itself: 'corpus.bin' would write corpus.bin.bin, a prefix
+        # that data.blend then refuses for naming a .bin file.
+        raise ConfigError(
+            key,
+            f"{text!r} ends in {given}, which the tool adds itself: it would write {text}{suffixes[0]}",
+            f"drop the suffix: {key} {text[: -len(given)]}",
         )
     prefix = Path(text)
     check_output_dir(key, prefix.parent)

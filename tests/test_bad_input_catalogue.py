@@ -1293,6 +1293,32 @@ CASES = [
         _args("--input", "WS/corpus/stdlib", "--output-prefix", "WS/corpus/"),
         "names a folder",
     ),
+    # a prefix ending in a suffix the tool adds would write corpus.bin.bin, which data.blend refuses
+    Case(
+        "merge-prefix-ends-in-bin",
+        "merge",
+        _args("--input", "WS/corpus/stdlib", "--output-prefix", "WS/cases/m/corpus.bin"),
+        "Fix: drop the suffix: --output-prefix",
+    ),
+    Case(
+        "preprocess-prefix-ends-in-idx",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/p/corpus.idx",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+        ),
+        "it would write",
+    ),  # fmt: skip
+    Case(
+        "tokenizer-prefix-ends-in-model",
+        "tokenizer",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/t/spm.model"),
+        "ends in .model",
+    ),
     Case(
         "preprocess-prefix-is-a-folder",
         "preprocess",

@@ -80,7 +80,8 @@ def train(args: argparse.Namespace) -> None:
     texts = iter_texts(input_files(args.input), args.text_key)
     first = next(texts, None)
     if first is None:
-        raise ConfigError("--input", f"{' '.join(args.input)} hold no documents", "point it at a corpus")
+        verb = "holds" if len(args.input) == 1 else "hold"
+        raise ConfigError("--input", f"{' '.join(args.input)} {verb} no documents", "point it at a corpus")
     texts = itertools.chain([first], texts)
     with made_dir(out.parent):
         # Trained under a temporary prefix, renamed at the end: a failure never touches an existing model.
