@@ -4,6 +4,8 @@ whose value our model would not compute identically, naming that field."""
 
 from __future__ import annotations
 
+import math
+
 from megatron_train.config import ModelConfig
 from megatron_train.errors import ConversionError
 
@@ -23,13 +25,26 @@ def refuse(field: str, value, why: str) -> None:
     raise ConversionError(f"config.json {field}={value!r}: {why}")
 
 
+def _number(field: str, value) -> float:
+    """A numeric field's value as a float (a refusal naming ``field`` otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        refuse(field, value, "expected a finite number")
+    return float(value)
+
+
 def _rope(hf: dict) -> tuple[float, dict | None]:
-    """(theta, scaling dict or None) from transformers 5's ``rope_parameters`` or 4's fields."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict):
-        scaling = None if params.get("rope_type", "default") == "default" else params
-        return params.get("rope_theta", 10000.0), scaling
-    return hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+    """(theta, scaling dict or None) as transformers reads them: a ``rope_scaling`` dict (4's
+    field) wins over ``rope_parameters`` (5's) when both are present, and a top-level
+    ``rope_theta`` fills in a dict without one."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        refuse("rope_parameters", params, "expected a mapping of RoPE parameters")
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if _number("partial_rotary_factor", factor) != 1.0:
+        refuse("partial_rotary_factor", factor, "RoPE over part of each head is not supported")
+    theta = _number("rope_theta", params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return theta, None if rope_type == "default" else params
 
 
 def integer(hf: dict, key: str, default: int | None = None) -> int:
@@ -54,10 +69,13 @@ def common_options(hf: dict, family: str) -> dict:
         rope_type = scaling.get("rope_type", scaling.get("type"))
         if rope_type != "llama3":
             refuse("rope_scaling", scaling, "only Llama-3.1 ('llama3') RoPE scaling is supported")
+        if "factor" not in scaling:
+            refuse("rope_scaling", scaling, "Llama-3.1 RoPE scaling needs its 'factor'")
+        _number("rope_scaling.factor", scaling["factor"])
         for key, fixed in LLAMA3_ROPE_FIXED.items():
-            if float(scaling.get(key, fixed)) != fixed:
+            if _number(f"rope_scaling.{key}", scaling.get(key, fixed)) != fixed:
                 refuse(f"rope_scaling.{key}", scaling[key], f"megatron-core fixes it at {fixed:g}")
-    if float(theta) != int(theta):
+    if theta != int(theta):
         refuse("rope_theta", theta, "a non-integer RoPE base is not supported")
     heads = hf["num_attention_heads"]
     return {
@@ -70,7 +88,7 @@ def common_options(hf: dict, family: str) -> dict:
         "kv_channels": hf.get("head_dim"),
         "max_position_embeddings": hf["max_position_embeddings"],
         "vocab_size": hf["vocab_size"],
-        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "norm_eps": _number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
         "rotary_base": int(theta),
         "rope_scaling": scaling is not None,
         "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
