@@ -13,6 +13,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,46 @@ def check_args(args: argparse.Namespace) -> None:
     check_output_dir("--log-dir", Path(args.log_dir))
 
 
+# sbatch's own words for a cluster it could not reach or that cannot take jobs now; any other
+# refusal is of the request (a partition, account, QOS or resource it does not know).
+_UNREACHABLE = ("unable to contact", "timed out", "connection", "zero bytes", "authentication",
+                "standby", "temporarily unable", "munge", "configuration file")  # fmt: skip
+
+
+def sbatch_refusal(stderr: str) -> tuple[str, int]:
+    """The one-line reason of a failed sbatch, and the exit code it maps to: 2 for a request the
+    cluster refused (the user fixes an option), 1 for a cluster that could not be reached."""
+    lines = [re.sub(r"^(sbatch: )?(error|fatal): ", "", line.strip()) for line in stderr.splitlines()]
+    lines = [line for line in lines if line]
+    reason = "; ".join(dict.fromkeys(lines)) or "no reason given"
+    unreachable = any(word in reason.lower() for word in _UNREACHABLE)
+    return reason, cli.EXIT_FAILED if unreachable else cli.EXIT_BAD_INPUT
+
+
+def preflight(args: argparse.Namespace) -> subprocess.CompletedProcess:
+    """The preflight of this job's config and layout, its report (or error) on stderr."""
+    cmd = [sys.executable, "-m", "megatron_train.preflight", "--config", args.config,
+           "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
+           "--gpu-memory-gib", str(args.gpu_memory_gib)]  # fmt: skip
+    if args.allow_over_memory:
+        cmd.append("--allow-over-memory")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([*cmd, *args.overrides], env=env, stderr=subprocess.PIPE, text=True)
+
+
+def sbatch(args: argparse.Namespace, cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (sbatch) with the job's environment; the log folder it needs exists only when
+    a job was queued."""
+    log_dir = Path(args.log_dir)
+    created = [p for p in (log_dir, *log_dir.parents) if not p.exists()]
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(cmd, env=job_environment(args), capture_output=True, text=True)
+    if result.returncode != 0:
+        for folder in created:
+            folder.rmdir()
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -139,15 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         cli.report(f"{err}. Nothing was submitted.")
         return cli.EXIT_BAD_INPUT
+    if not args.dry_run and shutil.which("sbatch") is None:
+        cli.report(
+            "sbatch is not on PATH: this machine cannot submit Slurm jobs. Fix: run submit.py on the "
+            "cluster's login node, or add --dry-run to print the command. Nothing was submitted."
+        )
+        return cli.EXIT_BAD_INPUT
+    report = ""
     if not args.skip_preflight:
-        preflight = [sys.executable, "-m", "megatron_train.preflight", "--config", args.config,
-                     "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node),
-                     "--gpu-memory-gib", str(args.gpu_memory_gib)]  # fmt: skip
-        if args.allow_over_memory:
-            preflight.append("--allow-over-memory")
-        preflight += args.overrides
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        checked = subprocess.run(preflight, env=env, stderr=subprocess.PIPE, text=True)
+        checked = preflight(args)
         if checked.returncode != 0:
             errors = [line for line in checked.stderr.splitlines() if line.startswith("error: ")]
             why = (
@@ -157,16 +198,24 @@ def main(argv: list[str] | None = None) -> int:
             )
             cli.report(f"{why.rstrip('.')}. Nothing was submitted.")
             return cli.EXIT_BAD_INPUT
-        sys.stderr.write(checked.stderr)
+        report = checked.stderr
     cmd = sbatch_command(args)
     if args.dry_run:
+        sys.stderr.write(report)
         print(shlex.join(cmd))
         return 0
-    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(cmd, env=job_environment(args), capture_output=True, text=True)
+    result = sbatch(args, cmd)
     if result.returncode != 0:
-        print(f"sbatch failed: {result.stderr.strip()}", file=sys.stderr)
-        return 1
+        reason, code = sbatch_refusal(result.stderr)
+        fix = (
+            "try again once the cluster answers"
+            if code == cli.EXIT_FAILED
+            else "correct the option it names (--partition, --account, --nodes, --gpus-per-node, --time)"
+        )
+        cli.report(f"sbatch refused the job: {reason}. Fix: {fix}. Nothing was submitted.")
+        return code
+    # The preflight's report only for a job that was queued: a refusal stays one line.
+    sys.stderr.write(report)
     job_id = result.stdout.strip().split(";")[0]
     print(f"submitted job {job_id}; logs: {Path(args.log_dir).resolve()}/{args.job_name}-{job_id}.out "
           f"and {Path(args.log_dir).resolve()}/{args.job_name}-{job_id}/rank-*.log")  # fmt: skip

@@ -747,6 +747,14 @@ CASES = [
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--dry-run", "parallel.tensor=3"),
         "'parallel.tensor'",
     ),
+    # run where Slurm is not installed (a laptop, a dev box): submitting needs sbatch
+    Case(
+        "submit-without-sbatch",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1"),
+        "sbatch is not on PATH",
+        env={"PATH": str(Path(sys.executable).parent)},
+    ),
     # convert: import-hf
     Case(
         "import-hf-missing",
@@ -788,6 +796,33 @@ CASES = [
         _args("import-hf", "--hf", "WS/cases/import-hf-unsupported/hf", "--out", "WS/cases/o"),
         "GPT2LMHeadModel",
         _hf_copy(_edit_hf_config(lambda c: c.update(architectures=["GPT2LMHeadModel"]))),
+    ),
+    # transformers applies a rope_scaling dict over rope_parameters: importing without it computes
+    # another model
+    Case(
+        "import-hf-yarn-beside-rope-parameters",
+        "convert",
+        _args(
+            "import-hf", "--hf", "WS/cases/import-hf-yarn-beside-rope-parameters/hf", "--out", "WS/cases/o"
+        ),
+        "only Llama-3.1 ('llama3') RoPE scaling",
+        _hf_copy(_edit_hf_config(lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}))),
+    ),
+    Case(
+        "import-hf-partial-rotary",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-partial-rotary/hf", "--out", "WS/cases/o"),
+        "partial_rotary_factor=0.5",
+        _hf_copy(_edit_hf_config(lambda c: c.update(partial_rotary_factor=0.5))),
+    ),
+    Case(
+        "import-hf-rope-theta-not-a-number",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-rope-theta-not-a-number/hf", "--out", "WS/cases/o"),
+        "rope_theta='1e4'",
+        _hf_copy(
+            _edit_hf_config(lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}))
+        ),
     ),
     Case(
         "import-hf-bad-safetensors",

@@ -210,3 +210,14 @@ def test_sbatch_script_is_valid_bash():
 def test_slurm_times_are_read_as_sbatch_reads_them(text, seconds):
     """sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS; 0 is no limit."""
     assert load_tool("launch/submit.py").slurm_seconds(text) == seconds
+
+
+def test_a_request_sbatch_refuses_is_one_line_and_leaves_no_log_dir(slurm, corpus, tmp_path):
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    logs = tmp_path / "logs" / "new"
+    result = submit(slurm, config, logs, extra=("--partition", "nonexistent"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: sbatch refused the job: "), result.stderr
+    assert "partition" in result.stderr and "Nothing was submitted" in result.stderr
+    assert not (tmp_path / "logs").exists()
