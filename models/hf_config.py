@@ -25,6 +25,16 @@ def refuse(field: str, value, why: str) -> None:
     raise ConversionError(f"config.json {field}={value!r}: {why}")
 
 
+def flag(hf: dict, key: str, default: bool = False) -> bool:
+    """A true/false field (a refusal naming it otherwise: a string "false" is true to Python)."""
+    value = hf.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        refuse(key, value, "expected true or false")
+    return value
+
+
 def _number(field: str, value) -> float:
     """A numeric field's value as a float (a refusal naming ``field`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -62,7 +72,7 @@ def common_options(hf: dict, family: str) -> dict:
         raise ConversionError(f"config.json lacks integer field(s) {missing}; it is not a complete config")
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", hf["hidden_act"], "only SwiGLU (silu) MLPs are supported")
-    if hf.get("mlp_bias"):
+    if flag(hf, "mlp_bias"):
         refuse("mlp_bias", True, "MLP biases are not supported")
     theta, scaling = _rope(hf)
     if scaling is not None:
@@ -92,7 +102,7 @@ def common_options(hf: dict, family: str) -> dict:
         "rotary_base": int(theta),
         "rope_scaling": scaling is not None,
         "rope_scaling_factor": float(scaling["factor"]) if scaling else 8.0,
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "tie_embeddings": flag(hf, "tie_word_embeddings"),
     }
 
 

@@ -824,6 +824,14 @@ CASES = [
             _edit_hf_config(lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}))
         ),
     ),
+    # a string "false" is true to Python: the import tied embeddings the checkpoint has apart
+    Case(
+        "import-hf-tie-as-a-string",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-tie-as-a-string/hf", "--out", "WS/cases/o"),
+        "tie_word_embeddings='false': expected true or false",
+        _hf_copy(_edit_hf_config(lambda c: c.update(tie_word_embeddings="false"))),
+    ),
     Case(
         "import-hf-bad-safetensors",
         "convert",

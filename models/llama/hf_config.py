@@ -13,6 +13,7 @@ from megatron_train.config import ModelConfig
 from megatron_train.models.hf_config import (
     common_fields,
     common_options,
+    flag,
     refuse,
     sliding_window_caveat,
     with_head_dim,
@@ -29,7 +30,7 @@ def _variant(hf: dict) -> str:
 def model_options(hf: dict) -> dict:
     """Our ``model.*`` architecture options for a supported config.json."""
     variant = _variant(hf)
-    if variant == "llama" and hf.get("attention_bias"):
+    if variant == "llama" and flag(hf, "attention_bias"):
         refuse("attention_bias", True, "Llama attention biases include o_proj, which GPTModel lacks")
     return with_head_dim({**common_options(hf, "llama"), "qkv_bias": variant == "qwen2"})
 

@@ -9,6 +9,7 @@ from megatron_train.config import ModelConfig
 from megatron_train.models.hf_config import (
     common_fields,
     common_options,
+    flag,
     integer,
     refuse,
     refuse_untranslatable_moe,
@@ -21,7 +22,7 @@ ARCHITECTURES = ("MixtralForCausalLM",)
 
 def model_options(hf: dict) -> dict:
     """Our ``model.*`` architecture options for a supported config.json."""
-    if hf.get("attention_bias"):
+    if flag(hf, "attention_bias"):
         refuse("attention_bias", True, "Mixtral has no attention biases")
     options = common_options(hf, "mixtral")
     options |= {

@@ -13,6 +13,7 @@ from megatron_train.config import ModelConfig
 from megatron_train.models.hf_config import (
     common_fields,
     common_options,
+    flag,
     integer,
     refuse,
     refuse_untranslatable_moe,
@@ -25,7 +26,7 @@ ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 def model_options(hf: dict) -> dict:
     """Our ``model.*`` architecture options for a supported config.json."""
-    if hf.get("attention_bias"):
+    if flag(hf, "attention_bias"):
         refuse("attention_bias", True, "Qwen3 has no attention biases; this checkpoint is not a Qwen3")
     options = {**common_options(hf, "qwen3"), "qk_norm": True}
     if hf["architectures"][0] == "Qwen3MoeForCausalLM":
@@ -41,7 +42,7 @@ def model_options(hf: dict) -> dict:
             "num_experts": integer(hf, experts_key),
             "moe_ffn_hidden_size": integer(hf, "moe_intermediate_size"),
             "moe_router_topk": integer(hf, "num_experts_per_tok"),
-            "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+            "moe_router_pre_softmax": not flag(hf, "norm_topk_prob"),
         }
     return with_head_dim(options)
 
