@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import random
 import socket
@@ -60,7 +61,42 @@ def launch_env() -> LaunchEnv:
             "the others",
             "start the ranks with torchrun or srun, which set both",
         )
+    check_rendezvous(env)
     return LaunchEnv(rank, world, local_rank, local_world)
+
+
+def check_rendezvous(env: dict[str, str]) -> None:
+    """The rendezvous variables torch reads are usable: a bad port is a traceback deep in torch, and
+    an address that does not resolve retries until torch's rendezvous gives up minutes later."""
+    port = env.get("MASTER_PORT")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(
+            "MASTER_PORT",
+            f"the launcher set MASTER_PORT={port!r}, not a port",
+            "use a free port from 1 to 65535",
+        )
+    addr = env.get("MASTER_ADDR")
+    if addr is not None:
+        try:
+            socket.getaddrinfo(addr, None)
+        except (socket.gaierror, UnicodeError) as err:
+            raise ConfigError(
+                "MASTER_ADDR",
+                f"the launcher set MASTER_ADDR={addr!r}, which does not resolve ({err})",
+                "set it to the first node's host name or address",
+            ) from None
+    minutes = env.get("MEGATRON_TRAIN_DIST_TIMEOUT_MIN")
+    if minutes is not None:
+        try:
+            valid = math.isfinite(float(minutes)) and float(minutes) > 0
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ConfigError(
+                "MEGATRON_TRAIN_DIST_TIMEOUT_MIN",
+                f"{minutes!r} is not a number of minutes above 0",
+                "set it to how long a collective may wait, e.g. 10",
+            )
 
 
 def node_name() -> str:

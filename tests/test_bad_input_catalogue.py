@@ -509,6 +509,22 @@ CASES = [
     ),
     Case("launch-rank-outside-world", "train", _train(FRESH), "outside a world of 1", env={"RANK": "3"}),
     Case("launch-world-not-a-count", "train", _train(FRESH), "'WORLD_SIZE'", env={"WORLD_SIZE": "x"}),
+    # torch's rendezvous met these with a traceback (a port) or retried for minutes (an address)
+    Case("launch-port-out-of-range", "train", _train(FRESH), "'MASTER_PORT'", env={"MASTER_PORT": "99999"}),
+    Case(
+        "launch-address-does-not-resolve",
+        "train",
+        _train(FRESH),
+        "MASTER_ADDR='no-such-host.invalid', which does not resolve",
+        env={"MASTER_ADDR": "no-such-host.invalid"},
+    ),
+    Case(
+        "launch-timeout-not-a-number",
+        "generate",
+        _args("--ckpt", "WS/run", "--prompt", "x"),
+        "'MEGATRON_TRAIN_DIST_TIMEOUT_MIN'",
+        env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "ten"},
+    ),
     # train: checkpoints to resume from (the existing run must stay as it was)
     Case(
         "resume-other-architecture",
