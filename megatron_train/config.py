@@ -81,7 +81,15 @@ NonNegativeInt = Annotated[int, Range(0)]
 PositiveFloat = Annotated[float, Range(0, low_open=True)]
 NonNegativeFloat = Annotated[float, Range(0)]
 Probability = Annotated[float, Range(0, 1, high_open=True)]
-FilePath = Annotated[str, Check(lambda text: bool(text.strip()), "a non-empty path")]
+def _written_out(text: str) -> bool:
+    # No shell reads a YAML config: '~/runs' would make a folder named '~' in the working
+    # directory, '$SCRATCH/x' one named '$SCRATCH'.
+    return bool(text.strip()) and not text.startswith("~") and re.search(r"\$\{?\w", text) is None
+
+
+FilePath = Annotated[
+    str, Check(_written_out, "a non-empty path written out in full (a config expands no ~ or $VARIABLE)")
+]
 
 
 @dataclass
@@ -253,7 +261,7 @@ class TokenizerConfig:
 class DataConfig:
     """Training data: megatron indexed datasets read through megatron-core's GPTDataset."""
 
-    blend: list[str | Annotated[float, Range(0)]] = field(default_factory=list)
+    blend: list[FilePath | Annotated[float, Range(0)]] = field(default_factory=list)
     """Dataset prefixes (path without .bin/.idx). Either a list of prefixes (weighted by
     size) or a flat list ``[weight, prefix, weight, prefix, ...]``."""
     split: Annotated[str, Check(split_parts, "train,valid,test parts such as 98,2,0 (train > 0)")] = "98,2,0"

@@ -507,6 +507,19 @@ CASES = [
         "config.yaml is not a training run's resolved config",
         _copy_config,
     ),
+    # no shell reads a YAML config: '~/runs' would make a folder named '~' in the working directory
+    Case(
+        "run-dir-with-a-tilde",
+        "train",
+        _train("logging.run_dir=~/runs/x"),
+        "'logging.run_dir': '~/runs/x' is not valid",
+    ),
+    Case(
+        "blend-with-a-shell-variable",
+        "preflight",
+        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "data.blend=[$SCRATCH/corpus]"),
+        "expands no ~ or $VARIABLE",
+    ),
     Case("launch-rank-outside-world", "train", _train(FRESH), "outside a world of 1", env={"RANK": "3"}),
     Case("launch-world-not-a-count", "train", _train(FRESH), "'WORLD_SIZE'", env={"WORLD_SIZE": "x"}),
     # torch's rendezvous met these with a traceback (a port) or retried for minutes (an address)
