@@ -81,6 +81,8 @@ NonNegativeInt = Annotated[int, Range(0)]
 PositiveFloat = Annotated[float, Range(0, low_open=True)]
 NonNegativeFloat = Annotated[float, Range(0)]
 Probability = Annotated[float, Range(0, 1, high_open=True)]
+
+
 def _written_out(text: str) -> bool:
     # No shell reads a YAML config: '~/runs' would make a folder named '~' in the working
     # directory, '$SCRATCH/x' one named '$SCRATCH'.
@@ -656,6 +658,11 @@ SAVE_DIR_IN_RUN = "checkpoints"
 def checkpoint_dir(cfg: ExperimentConfig) -> Path:
     """The directory checkpoints are saved to."""
     return Path(cfg.checkpoint.save_dir or Path(cfg.logging.run_dir) / SAVE_DIR_IN_RUN)
+
+
+def data_cache_dir(cfg: ExperimentConfig) -> Path:
+    """The directory megatron-core's dataset indices are cached in."""
+    return Path(cfg.data.cache_dir or Path(cfg.logging.run_dir) / "data_cache")
 
 
 def data_parallel_size(cfg: ExperimentConfig, world_size: int) -> int:

@@ -6,9 +6,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import numpy
 import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -69,24 +67,6 @@ def index_count(cfg: ExperimentConfig) -> int:
     """How many dataset indices the blend needs: one per dataset and split with a share."""
     splits = sum(1 for part in cfg.data.split.split(",") if float(part) > 0)
     return len(parse_blend(cfg.data.blend)[0]) * splits
-
-
-def drop_torn_indices(cache_dir: str) -> list[Path]:
-    """Delete the index files in ``cache_dir`` that are shorter than their header says, and
-    return them. megatron writes its cached indices in place and takes the cache as built when
-    all of a dataset's files exist, so a build cut short (a full disk, a job killed while
-    writing the last file) would fail every later start; without the file it builds them again.
-    Every rank calls this before the build, and none writes to the cache before all have."""
-    torn = []
-    # Only megatron's own index files ("<hash>-GPTDataset-train-sample_index.npy"): the cache may
-    # be a folder that holds other arrays too.
-    for path in sorted(Path(cache_dir).glob("*Dataset-*_index.npy")):
-        try:
-            numpy.load(path, mmap_mode="r")
-        except (ValueError, EOFError):
-            path.unlink(missing_ok=True)
-            torn.append(path)
-    return torn
 
 
 def build_datasets(

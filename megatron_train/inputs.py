@@ -21,7 +21,14 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
-from megatron_train.config import ExperimentConfig, blend_prefixes, checkpoint_dir, parse_blend
+from megatron_train import data_cache
+from megatron_train.config import (
+    ExperimentConfig,
+    blend_prefixes,
+    checkpoint_dir,
+    data_cache_dir,
+    parse_blend,
+)
 from megatron_train.errors import ConfigError
 from megatron_train.outputs import check_output_dir, check_run_dir
 from megatron_train.text_encoding import tokenizer_loading
@@ -266,5 +273,6 @@ def check_inputs(cfg: ExperimentConfig) -> int:
             )
     check_run_dir("logging.run_dir", Path(cfg.logging.run_dir))
     check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))
-    check_output_dir("data.cache_dir", Path(cfg.data.cache_dir or Path(cfg.logging.run_dir) / "data_cache"))
+    check_output_dir("data.cache_dir", data_cache_dir(cfg))
+    data_cache.check_unchanged(data_cache_dir(cfg), list(dtypes))
     return vocab

@@ -18,9 +18,16 @@ from pathlib import Path
 import torch
 import yaml
 
-from megatron_train import cli, run_lock, runtime
+from megatron_train import cli, data_cache, run_lock, runtime
 from megatron_train.checkpoint.manager import SaveFailed
-from megatron_train.config import ConfigError, ExperimentConfig, checkpoint_dir, to_dict
+from megatron_train.config import (
+    ConfigError,
+    ExperimentConfig,
+    blend_prefixes,
+    checkpoint_dir,
+    data_cache_dir,
+    to_dict,
+)
 from megatron_train.errors import BAD_INPUT
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
@@ -51,7 +58,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
     watch = StopWatch(cfg.train.exit_after_minutes, rt.device)
     checkpointer = Checkpointer(cfg, rt.is_main, log.info)
     try:
-        return run_dir, _train(cfg, rt, run_dir, log, watch, checkpointer)
+        return run_dir, _train(cfg, rt, log, watch, checkpointer)
     finally:
         checkpointer.release()
         watch.close()
@@ -81,19 +88,13 @@ def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: b
         log.info(note)
 
 
-def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch, checkpointer) -> int:
+def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer) -> int:
     """The body of :func:`train`: model, resume, data, then the step loop; returns the exit code."""
     from megatron.core import parallel_state
 
     from megatron_train import warm_start
     from megatron_train.checkpoint.state import Progress, check_within_steps
-    from megatron_train.data import (
-        IndexProgress,
-        batch_iterator,
-        build_datasets,
-        drop_torn_indices,
-        index_count,
-    )
+    from megatron_train.data import IndexProgress, batch_iterator, build_datasets, index_count
     from megatron_train.evaluation import Evaluator
     from megatron_train.model import build_model, layer_implementation
     from megatron_train.optim import build_optimizer
@@ -130,14 +131,16 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, run_dir: Path, log, watch
 
     started = time.perf_counter()
     indices = IndexProgress(index_count(cfg), log.info)
-    cache_dir = cfg.data.cache_dir or str(run_dir / "data_cache")
-    torn = drop_torn_indices(cache_dir)
+    cache_dir = data_cache_dir(cfg)
+    torn = data_cache.drop_torn_indices(str(cache_dir))
     if torn:
         names = ", ".join(p.name for p in torn)
         log.info(f"data cache: rebuilding what an earlier build cut short (removed {names})")
+    if rt.is_main:
+        data_cache.record(cache_dir, blend_prefixes(cfg.data.blend))
     with runtime.patient_collectives(cfg.data.build_timeout_minutes):
         torch.distributed.barrier()
-        train_ds, valid_ds = build_datasets(cfg, cache_dir, indices)
+        train_ds, valid_ds = build_datasets(cfg, str(cache_dir), indices)
     log.info(
         f"datasets ready in {time.perf_counter() - started:.1f} s (indices: {indices.summary()}): "
         f"{len(train_ds):,} training samples, {len(valid_ds) if valid_ds else 0:,} validation samples"

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatron_train import data_cache
 from megatron_train.token_writer import TokenWriter
 from tests.conftest import ROOT, load_tool, write_config
 
@@ -172,6 +173,19 @@ def _small_data(docs: int, tokens: int) -> Callable[[Path, str], None]:
         writer.write_index(d / "data.idx")
 
     return setup
+
+
+def _data_tokenized_again(ws: Path, case_id: str) -> None:
+    """A cache whose indices were built from the corpus, and another dataset now at its prefix."""
+    _small_data(400, 70)(ws, case_id)
+    d = _case(ws, case_id)
+    shutil.move(d / "data.bin", d / "new.bin")
+    shutil.move(d / "data.idx", d / "new.idx")
+    for suffix in (".bin", ".idx"):
+        shutil.copy2(ws / "corpus" / f"stdlib{suffix}", d / f"data{suffix}")
+    data_cache.record(d / "cache", [str(d / "data")])
+    for suffix in (".bin", ".idx"):
+        shutil.move(d / f"new{suffix}", d / f"data{suffix}")
 
 
 def _bigger_tokenizer(ws: Path, case_id: str) -> None:
@@ -520,6 +534,18 @@ CASES = [
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "data.blend=[$SCRATCH/corpus]"),
         "expands no ~ or $VARIABLE",
     ),
+    # a dataset tokenized again under the prefix a cache indexed: its indices name old documents
+    Case(
+        "data-changed-under-its-cache",
+        "train",
+        _train(
+            FRESH,
+            "data.blend=[WS/cases/data-changed-under-its-cache/data]",
+            "data.cache_dir=WS/cases/data-changed-under-its-cache/cache",
+        ),
+        "is not the dataset the index cache",
+        _data_tokenized_again,
+    ),  # fmt: skip
     Case("launch-rank-outside-world", "train", _train(FRESH), "outside a world of 1", env={"RANK": "3"}),
     Case("launch-world-not-a-count", "train", _train(FRESH), "'WORLD_SIZE'", env={"WORLD_SIZE": "x"}),
     # torch's rendezvous met these with a traceback (a port) or retried for minutes (an address)

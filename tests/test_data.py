@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,10 +20,13 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_train import batch, megatron_compat
-from megatron_train.data import IndexProgress, build_datasets, drop_torn_indices, index_count
+from megatron_train import batch, data_cache, megatron_compat
+from megatron_train.config import ConfigError
+from megatron_train.data import IndexProgress, build_datasets, index_count
+from megatron_train.data_cache import drop_torn_indices
 from megatron_train.inputs import epochs, split_sizes
 from megatron_train.resolve import load_config
+from megatron_train.token_writer import TokenWriter
 from megatron_train.tokenizer import load_tokenizer
 from tests.conftest import ROOT, run_tool, torchrun_command, torchrun_env, write_config
 
@@ -183,6 +187,39 @@ def test_an_index_file_cut_short_in_the_cache_is_dropped_and_built_again(
     train, _ = build_datasets(cfg, str(cache), progress)
     assert progress.summary() == "1 built, 1 from cache" and len(train) > 0
     assert drop_torn_indices(str(cache)) == []
+
+
+def test_a_dataset_tokenized_again_under_its_prefix_is_refused_until_it_is_restored(
+    tmp_path, corpus, single_process_group
+):
+    """megatron keys its cached indices on the dataset's path, not its contents: indices built
+    for one dataset would read another written under the same prefix."""
+    prefix, cache = tmp_path / "data" / "stdlib", tmp_path / "cache"
+    prefix.parent.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy2(corpus["prefix"].with_suffix(suffix), prefix.with_suffix(suffix))
+    cfg = load_config(
+        write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"), [f"data.blend=[{prefix}]"]
+    )
+    data_cache.record(cache, [str(prefix)])
+    build_datasets(cfg, str(cache))
+    data_cache.check_unchanged(cache, [str(prefix)])
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.move(prefix.with_suffix(suffix), kept / f"stdlib{suffix}")
+    with open(prefix.with_suffix(".bin"), "wb") as f:  # the same size of file, other documents
+        writer = TokenWriter(f, np.dtype(np.uint16))
+        writer.add([[7] * 100] * (corpus["prefix"].with_suffix(".bin").stat().st_size // 200))
+    writer.write_index(prefix.with_suffix(".idx"))
+    with pytest.raises(ConfigError, match="is not the dataset the index cache"):
+        data_cache.check_unchanged(cache, [str(prefix)])
+
+    for suffix in (".bin", ".idx"):  # a copy back, with new timestamps, is the same dataset
+        shutil.copy(kept / f"stdlib{suffix}", prefix.with_suffix(suffix))
+    data_cache.check_unchanged(cache, [str(prefix)])
+    assert json.loads((cache / data_cache.RECORD).read_text()).keys() == {str(prefix)}
 
 
 def test_a_tool_whose_output_finds_no_room_says_so_in_one_line_and_leaves_nothing(tmp_path, corpus):

@@ -23,7 +23,7 @@ from tests.conftest import ROOT
 LAYERS = [
     ["errors", "config", "megatron_compat", "cpu_compat", "tokenizer", "text_sources", "sentencepiece_cuts",
      "text_encoding", "token_writer", "checkpoint.files", "checkpoint.safe_load", "hf.model_dir",
-     "hf.safetensors_io", "outputs", "run_lock", "eager_fusions"],
+     "hf.safetensors_io", "outputs", "run_lock", "eager_fusions", "data_cache"],
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory", "moe_stats"],

@@ -1,0 +1,105 @@
+"""The dataset index cache megatron-core builds in ``data.cache_dir``: the files a cut-short build
+left behind, and which datasets its indices were built from.
+
+megatron names cached indices after the dataset's path, split, sequence length and seed, not its
+contents. A dataset tokenized again under the same prefix would be read through indices built for
+the old one: documents that no longer exist (an IndexError mid-run), or silently other samples
+than the ones a resumed run would have read. So the cache records what each dataset was when its
+indices were built, and a start against a changed one is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy
+
+from megatron_train.checkpoint.files import write_atomic
+from megatron_train.errors import ConfigError
+
+RECORD = "datasets.json"
+"""The cache's record of the datasets its indices were built from, by absolute prefix."""
+
+# Bytes read from each end of the .idx: its header and first sequence lengths, and its last
+# document offsets. A blend of thousands of shards reads a few MB at every start, not its indices.
+_SAMPLE = 16 * 1024
+
+
+def identity(prefix: str) -> dict:
+    """What distinguishes this dataset from another written under the same prefix: its files'
+    sizes and a hash of both ends of its .idx (a copy elsewhere, or with other timestamps, is the
+    same dataset)."""
+    idx, data = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    size = idx.stat().st_size
+    with idx.open("rb") as f:
+        sample = f.read(_SAMPLE)
+        f.seek(max(size - _SAMPLE, len(sample)))
+        sample += f.read()
+    return {
+        "bin_bytes": data.stat().st_size,
+        "idx_bytes": size,
+        "idx_ends_sha256": hashlib.sha256(sample).hexdigest(),
+    }
+
+
+def _recorded(cache_dir: Path) -> dict:
+    try:
+        found = json.loads((cache_dir / RECORD).read_text())
+    except (OSError, ValueError):  # no record yet (or one a crash mangled): nothing to compare
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def check_unchanged(cache_dir: str | Path, prefixes: list[str]) -> None:
+    """Refuse a start whose cache holds indices built from another dataset at one of ``prefixes``."""
+    recorded = _recorded(Path(cache_dir))
+    for prefix in prefixes:
+        then = recorded.get(os.path.abspath(prefix))
+        if then is None:
+            continue
+        now = identity(prefix)
+        if now != then:
+            sizes = (
+                f".bin {then['bin_bytes']:,} bytes then, {now['bin_bytes']:,} now"
+                if then["bin_bytes"] != now["bin_bytes"]
+                else "files of the same size, other documents"
+            )
+            raise ConfigError(
+                "data.blend",
+                f"{prefix} is not the dataset the index cache in {cache_dir} was built from ({sizes}): "
+                "its cached indices would read documents of the old one",
+                "restore that dataset to continue on the same data, or set data.cache_dir to a new "
+                "folder to index this one (a resumed run then reads other samples than it would have)",
+            )
+
+
+def record(cache_dir: str | Path, prefixes: list[str]) -> None:
+    """Note what each of ``prefixes`` is now, as the datasets this cache's indices come from."""
+    cache_dir = Path(cache_dir)
+    recorded = _recorded(cache_dir)
+    now = {os.path.abspath(prefix): identity(prefix) for prefix in prefixes}
+    if all(recorded.get(key) == value for key, value in now.items()):
+        return
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(cache_dir / RECORD, json.dumps({**recorded, **now}, indent=1, sort_keys=True) + "\n")
+
+
+def drop_torn_indices(cache_dir: str) -> list[Path]:
+    """Delete the index files in ``cache_dir`` that are shorter than their header says, and
+    return them. megatron writes its cached indices in place and takes the cache as built when
+    all of a dataset's files exist, so a build cut short (a full disk, a job killed while
+    writing the last file) would fail every later start; without the file it builds them again.
+    Every rank calls this before the build, and none writes to the cache before all have."""
+    torn = []
+    # Only megatron's own index files ("<hash>-GPTDataset-train-sample_index.npy"): the cache may
+    # be a folder that holds other arrays too.
+    for path in sorted(Path(cache_dir).glob("*Dataset-*_index.npy")):
+        try:
+            numpy.load(path, mmap_mode="r")
+        except (ValueError, EOFError):
+            path.unlink(missing_ok=True)
+            torn.append(path)
+    return torn
