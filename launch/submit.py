@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--allow-over-memory", action="store_true", help="submit above --gpu-memory-gib")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch command, do not submit")
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def sbatch_command(args: argparse.Namespace) -> list[str]:

@@ -763,6 +763,13 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "overlaps the distributed optimizer's parameter all-gather, but optimizer.distributed is false",
             "set optimizer.distributed=true or ddp.overlap_param_gather=false",
         )
+    if cfg.checkpoint.optimizer_format != "auto" and not cfg.optimizer.distributed:
+        raise ConfigError(
+            "checkpoint.optimizer_format",
+            f"{cfg.checkpoint.optimizer_format!r} is a form of the distributed optimizer's state, but "
+            "optimizer.distributed is false",
+            "set optimizer.distributed=true or remove checkpoint.optimizer_format",
+        )
     if p.sequence_parallel and p.tensor == 1:
         raise ConfigError(
             "parallel.sequence_parallel", "needs parallel.tensor > 1", "set it to false or raise TP"

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         "--allow-over-memory", action="store_true", help="report, do not refuse, an estimate above it"
     )
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         lines = run(
             args.config,

@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="YAML experiment config")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:

@@ -79,6 +79,11 @@ BAD_INPUTS = [
         "model.compile",
     ),
     (["ddp.overlap_param_gather=true", "optimizer.distributed=false"], 1, "ddp.overlap_param_gather"),
+    (
+        ["checkpoint.optimizer_format=dp_reshardable", "optimizer.distributed=false"],
+        1,
+        "checkpoint.optimizer_format",
+    ),
     (["parallel.context=4", "data.seq_length=60"], 4, "data.seq_length"),
     (["parallel.context=3"], 2, "parallel.tensor"),
     (
