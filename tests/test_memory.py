@@ -75,6 +75,11 @@ def test_preflight_refuses_a_layout_above_gpu_memory_and_names_ones_that_fit(tmp
     assert preflight([*args, "parallel.tensor=2", "parallel.sequence_parallel=true"]) == 0
     report = capsys.readouterr().out
     assert "memory per GPU (estimate, only stage)" in report and "GiB of 80" in report
+    # Overrides may come before, between and after the options, as users write them.
+    mixed = ["--config", str(config), "data.seq_length=8192", "--gpus-per-node", "8"]
+    mixed += ["train.micro_batch_size=1", "--nodes", "1"]
+    mixed += ["parallel.tensor=2", "parallel.sequence_parallel=true"]
+    assert preflight(mixed) == 0, capsys.readouterr().err
 
 
 def test_the_long_context_config_fits_thanks_to_context_parallelism():
