@@ -350,10 +350,13 @@ def test_truncated_latest_falls_back_in_auto_and_fails_when_explicit(tmp_path, t
     assert explicit.returncode == EXIT_BAD_INPUT
     assert f"{victim.name} has" in explicit.stderr and "truncated" in explicit.stderr
 
+    # A file under the name of a step the run saves is no save of ours: the save takes its place.
+    files.iteration_dir(save_dir, 5).write_text("a stray file")
     auto = single_rank(trained["config"], f"checkpoint.save_dir={save_dir}", "train.steps=5",
                        f"logging.run_dir={tmp_path / 'y'}")  # fmt: skip
     assert auto.returncode == 0, auto.stderr[-3000:]
     assert "skipping torn checkpoint iter_0000004" in auto.stdout and "at step 2 " in auto.stdout
+    assert (files.iteration_dir(save_dir, 5) / files.RECORD).is_file()
 
 
 def test_bad_load_requests_are_clear_errors(tmp_path, trained):

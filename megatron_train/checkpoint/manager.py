@@ -225,7 +225,9 @@ class Checkpointer:
         start = time.perf_counter()
         path = files.iteration_dir(self.save_dir, iteration)
         if self.is_main:
-            if path.exists():
+            if path.is_symlink() or path.is_file():  # not a save of ours, under a save's name
+                path.unlink()
+            elif path.exists():
                 # A torn save, or (checkpoint.load=none) an older run's step that this run replaces.
                 shutil.rmtree(path)
             path.mkdir(parents=True)
