@@ -36,6 +36,17 @@ def slurm_time(text: str) -> str:
     return text
 
 
+def container_mounts(text: str) -> str:
+    """pyxis's mount list: comma-separated ``SRC[:DST[:FLAGS]]``, none of the parts empty."""
+    for mount in text.split(","):
+        parts = mount.split(":")
+        if len(parts) > 3 or not all(part.strip() for part in parts):
+            raise argparse.ArgumentTypeError(
+                f"{mount!r} in {text!r} is not a pyxis mount such as /data:/data or /data:/data:ro"
+            )
+    return text
+
+
 def slurm_seconds(text: str) -> int | None:
     """The seconds a Slurm time names; None for no limit (0, UNLIMITED, infinite)."""
     if text in ("UNLIMITED", "infinite"):
@@ -71,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--container-image", type=cli.non_empty, help="pyxis/enroot image (e.g. a .sqsh from enroot import)"
     )
     parser.add_argument(
-        "--container-mounts", type=cli.non_empty, help="extra pyxis mounts, src:dst[,src:dst]"
+        "--container-mounts", type=container_mounts, help="extra pyxis mounts, src:dst[,src:dst]"
     )
     parser.add_argument("--log-dir", default="logs", help="per-job directory with per-rank logs goes here")
     parser.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
@@ -131,6 +142,12 @@ def check_args(args: argparse.Namespace) -> None:
             "give a longer --time or fewer --signal-seconds",
         )
     check_output_dir("--log-dir", Path(args.log_dir))
+    if args.container_mounts and not args.container_image:
+        raise ConfigError(
+            "--container-mounts",
+            "mounts into a container, but no --container-image is given",
+            "add --container-image, or drop --container-mounts",
+        )
 
 
 # sbatch's own words for a cluster it could not reach or that cannot take jobs now; any other

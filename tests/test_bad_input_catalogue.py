@@ -802,6 +802,27 @@ CASES = [
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--dry-run", "parallel.tensor=3"),
         "'parallel.tensor'",
     ),
+    # pretrain.sbatch mounts only into a container: without an image the mounts were ignored
+    Case(
+        "submit-mounts-without-image",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--container-mounts", "/data:/data", "--dry-run"),
+        "no --container-image",
+    ),
+    Case(
+        "submit-mount-with-an-empty-part",
+        "submit",
+        _args(
+            "--config",
+            "WS/cfg.yaml",
+            "--container-image",
+            "x.sqsh",
+            "--container-mounts",
+            "/data:",
+            "--dry-run",
+        ),
+        "not a pyxis mount",
+    ),
     # run where Slurm is not installed (a laptop, a dev box): submitting needs sbatch
     Case(
         "submit-without-sbatch",
