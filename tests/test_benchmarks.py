@@ -1,4 +1,4 @@
-"""The GPU throughput benchmark's CPU dry run: every framework path it can run here, end to end."""
+"""The benchmarks' CPU dry runs: every path each can run here, end to end."""
 
 import json
 import re
@@ -44,3 +44,17 @@ def test_preprocess_benchmark_prints_our_row(corpus):
     assert re.search(r"^\s+1 ours\s+[\d.]+\s+\d+\s+\d+", result.stdout, re.MULTILINE), result.stdout
     for row in ("tokenizer", "whole texts"):
         assert re.search(rf"^\s+1 {row}\s+[\d.]+\s+\d+", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_cross_entropy_memory_benchmark_prints_a_row_per_mode():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/cross_entropy_memory.py", "--seq", "64", "--batch", "2",
+         "--vocab", "512", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for mode in ("unfused", "fused, eager", "fused, compiled"):
+        assert re.search(rf"^{mode}\s+-?[\d,]+ MiB\s+-?[\d.]+\s+[\d.]+$", result.stdout, re.MULTILINE), (
+            result.stdout
+        )
+    assert "device: cpu" in result.stdout
