@@ -701,8 +701,11 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     model_parallel = p.tensor * p.pipeline * p.context
     if world_size % model_parallel:
+        sizes = {"parallel.tensor": p.tensor, "parallel.pipeline": p.pipeline, "parallel.context": p.context}
+        # The key to change: one that alone does not divide the world, else the first one set.
+        key = next((k for k, size in sizes.items() if world_size % size), None)
         raise ConfigError(
-            "parallel.tensor",
+            key or next(k for k, size in sizes.items() if size > 1),
             f"world size {world_size} is not divisible by tensor x pipeline x context = "
             f"{p.tensor} x {p.pipeline} x {p.context} = {model_parallel}",
             "launch a multiple of that many ranks or change parallel.tensor/pipeline/context",

@@ -85,7 +85,8 @@ BAD_INPUTS = [
         "checkpoint.optimizer_format",
     ),
     (["parallel.context=4", "data.seq_length=60"], 4, "data.seq_length"),
-    (["parallel.context=3"], 2, "parallel.tensor"),
+    (["parallel.context=3"], 2, "parallel.context"),
+    (["parallel.pipeline=2"], 3, "parallel.pipeline"),
     (
         [
             "parallel.context=2",
