@@ -1103,6 +1103,15 @@ CASES = [
     # inspect (exit 2: no checkpoint; 1: torn or corrupt, reported on stdout)
     Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist"),
     Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "holds no checkpoint"),
+    # a Hugging Face model where a checkpoint is expected: say what it is and how to use it
+    Case(
+        "load-a-hugging-face-model",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/hf"),
+        "is a Hugging Face model directory, not a megatron-train checkpoint: train from it with "
+        "checkpoint.init_from",
+    ),
+    Case("generate-from-a-hugging-face-model", "generate", _args("--ckpt", "WS/hf"), "import-hf"),
     Case(
         "inspect-common-garbage",
         "inspect",

@@ -170,6 +170,17 @@ def locate(path: Path) -> Path:
     if iteration_of(path) is not None or (path / RECORD).exists():
         return path
     dirs = checkpoint_dirs(path) or checkpoint_dirs(path / SAVE_DIR_IN_RUN)
+    if not dirs and (path / "config.json").is_file():
+        weights = any(path.glob("*.safetensors"))
+        raise CheckpointError(
+            f"{str(path)!r} is a Hugging Face model directory, not a megatron-train checkpoint"
+            + (
+                ": train from it with checkpoint.init_from, or convert it with "
+                "tools/convert_checkpoint.py import-hf"
+                if weights
+                else ", and holds no .safetensors weights"
+            )
+        )
     if not dirs:
         raise CheckpointError(
             f"{str(path)!r} holds no checkpoint: give a checkpoint (iter_*), the save dir holding them, "
