@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy
@@ -21,7 +20,9 @@ from megatron_train.checkpoint.files import write_atomic
 from megatron_train.errors import ConfigError
 
 RECORD = "datasets.json"
-"""The cache's record of the datasets its indices were built from, by absolute prefix."""
+"""The cache's record of the datasets its indices were built from, by prefix as the blend writes it:
+megatron's cache names hold that text, so a relative prefix met from another working directory
+reuses the same indices, and must be the same dataset too."""
 
 # Bytes read from each end of the .idx: its header and first sequence lengths, and its last
 # document offsets. A blend of thousands of shards reads a few MB at every start, not its indices.
@@ -57,7 +58,7 @@ def check_unchanged(cache_dir: str | Path, prefixes: list[str]) -> None:
     """Refuse a start whose cache holds indices built from another dataset at one of ``prefixes``."""
     recorded = _recorded(Path(cache_dir))
     for prefix in prefixes:
-        then = recorded.get(os.path.abspath(prefix))
+        then = recorded.get(prefix)
         if then is None:
             continue
         now = identity(prefix)
@@ -80,7 +81,7 @@ def record(cache_dir: str | Path, prefixes: list[str]) -> None:
     """Note what each of ``prefixes`` is now, as the datasets this cache's indices come from."""
     cache_dir = Path(cache_dir)
     recorded = _recorded(cache_dir)
-    now = {os.path.abspath(prefix): identity(prefix) for prefix in prefixes}
+    now = {prefix: identity(prefix) for prefix in prefixes}
     if all(recorded.get(key) == value for key, value in now.items()):
         return
     cache_dir.mkdir(parents=True, exist_ok=True)
