@@ -109,6 +109,10 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     if resume_from is not None:
         progress = checkpointer.load(resume_from, model, optimizer, scheduler)
         check_within_steps(resume_from, progress.iteration, cfg.train.steps)
+        if progress.iteration == cfg.train.steps:
+            log.info(
+                f"the run has trained all {cfg.train.steps} steps: nothing to do (raise train.steps to go on)"
+            )
     elif start_from is not None:
         warm_start.load(start_from, cfg, model, optimizer, log.info)
     # Only now, with every input checked, does the run directory change.

@@ -373,6 +373,18 @@ def test_bad_load_requests_are_clear_errors(tmp_path, trained):
     assert "checkpoint shape (4, 704, 128), model shape (4, 512, 128)" in mismatch.stderr
 
 
+def test_a_finished_run_started_again_says_so_and_trains_nothing(tmp_path, trained):
+    """A requeued job that had finished is done at once, and says why."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    before = (run / "metrics.jsonl").read_text()
+    again = single_rank(trained["config"], f"logging.run_dir={run}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "the run has trained all 4 steps: nothing to do (raise train.steps to go on)" in again.stdout
+    assert "step 5" not in again.stdout and (run / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_0000002", "iter_0000004"]
+
+
 def test_tokens_are_counted_on_across_a_resume_that_changes_batch_and_sequence(tmp_path, trained):
     """A resumed run may change the batch (as a batch-size ramp does) and the sequence length; the
     token count goes on from the checkpoint's own, not from step x tokens per step."""
