@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -83,15 +84,7 @@ NonNegativeFloat = Annotated[float, Range(0)]
 Probability = Annotated[float, Range(0, 1, high_open=True)]
 
 
-def _written_out(text: str) -> bool:
-    # No shell reads a YAML config: '~/runs' would make a folder named '~' in the working
-    # directory, '$SCRATCH/x' one named '$SCRATCH'.
-    return bool(text.strip()) and not text.startswith("~") and re.search(r"\$\{?\w", text) is None
-
-
-FilePath = Annotated[
-    str, Check(_written_out, "a non-empty path written out in full (a config expands no ~ or $VARIABLE)")
-]
+FilePath = Annotated[str, Check(lambda text: bool(text.strip()), "a non-empty path")]
 
 
 @dataclass
@@ -552,6 +545,30 @@ def check_fields(cfg: Any, prefix: str = "") -> None:
             check_fields(value, f"{prefix}{f.name}.")
         else:
             _coerce(value, hints[f.name], prefix + f.name)
+
+
+def _names_paths(hint: Any) -> bool:
+    return hint == FilePath or any(_names_paths(arg) for arg in typing.get_args(hint))
+
+
+def check_paths_written_out(cfg: Any, prefix: str = "") -> None:
+    """No path a user wrote starts with ``~`` or holds a ``$VARIABLE``: no shell reads a YAML
+    config, so ``~/runs`` would make a folder named ``~`` in the working directory. Checked where
+    a config is written (YAML and overrides), not where one is read back from a checkpoint."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            check_paths_written_out(value, key + ".")
+        elif _names_paths(hints[f.name]):
+            for path in value if isinstance(value, list) else [value]:
+                if isinstance(path, str) and (path.startswith("~") or re.search(r"\$\{?\w", path)):
+                    here = os.path.expanduser(os.path.expandvars(path))
+                    raise ConfigError(
+                        key,
+                        f"{path!r} holds a ~ or $VARIABLE, which no shell expands in a config",
+                        "write the path out in full" + ("" if "$" in here else f" (here: {here})"),
+                    )
 
 
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:

@@ -14,6 +14,7 @@ from megatron_train.config import (
     ModelConfig,
     ParallelConfig,
     apply_overrides,
+    check_paths_written_out,
     from_dict,
     read_yaml,
     validate_options,
@@ -56,6 +57,7 @@ def build_config(raw: dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
     _apply_preset(raw)
     _apply_hf_architecture(raw)
     cfg = from_dict(ExperimentConfig, raw)
+    check_paths_written_out(cfg)
     registry.family_of(cfg.model).check(cfg.model)
     return cfg
 

@@ -526,13 +526,13 @@ CASES = [
         "run-dir-with-a-tilde",
         "train",
         _train("logging.run_dir=~/runs/x"),
-        "'logging.run_dir': '~/runs/x' is not valid",
+        "'logging.run_dir': '~/runs/x' holds a ~ or $VARIABLE",
     ),
     Case(
         "blend-with-a-shell-variable",
         "preflight",
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "data.blend=[$SCRATCH/corpus]"),
-        "expands no ~ or $VARIABLE",
+        "which no shell expands in a config",
     ),
     # a dataset tokenized again under the prefix a cache indexed: its indices name old documents
     Case(
