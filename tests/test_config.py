@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from megatron_train.config import ConfigError
-from megatron_train.resolve import load_config, validate
+from megatron_train.config import ConfigError, to_dict
+from megatron_train.resolve import at_layout, load_config, validate
 from megatron_train.train import main
 from tests.conftest import ROOT, run_tool, write_config
 
@@ -187,3 +189,14 @@ def test_transformer_engine_demanded_where_it_cannot_run_is_one_line(good_config
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "'model.transformer_impl'" in errors[0] and "no CUDA device" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+def test_paths_a_user_writes_are_not_expanded_but_a_recorded_one_still_loads(good_config):
+    """No shell reads a config: '~/runs' would be a folder named '~'. A checkpoint's recorded
+    config is read back as it was written, whatever it holds."""
+    with pytest.raises(ConfigError, match=r"'~/runs/x' holds a ~ or \$VARIABLE") as err:
+        load_config(good_config, ["logging.run_dir=~/runs/x"])
+    assert err.value.key == "logging.run_dir"
+    cfg = load_config(good_config, [])
+    saved = to_dict(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir="~/runs/x")))
+    assert at_layout(saved, tensor=1, pipeline=1).logging.run_dir == "~/runs/x"
