@@ -200,3 +200,9 @@ def test_paths_a_user_writes_are_not_expanded_but_a_recorded_one_still_loads(goo
     cfg = load_config(good_config, [])
     saved = to_dict(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, run_dir="~/runs/x")))
     assert at_layout(saved, tensor=1, pipeline=1).logging.run_dir == "~/runs/x"
+
+
+def test_a_range_error_writes_integer_bounds_whole(good_config):
+    with pytest.raises(ConfigError) as err:
+        load_config(good_config, ["train.seed=-1"])
+    assert err.value.fix == "set train.seed to a value >= 0 and <= 4294967295"
