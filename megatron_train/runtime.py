@@ -66,8 +66,9 @@ def launch_env() -> LaunchEnv:
 
 
 def check_rendezvous(env: dict[str, str]) -> None:
-    """The rendezvous variables torch reads are usable: a bad port is a traceback deep in torch, and
-    an address that does not resolve retries until torch's rendezvous gives up minutes later."""
+    """The rendezvous variables torch reads, and the collective timeout, are usable: a bad port is
+    a traceback deep in torch, and an address that does not resolve retries until torch's
+    rendezvous gives up minutes later."""
     port = env.get("MASTER_PORT")
     if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(
@@ -85,18 +86,7 @@ def check_rendezvous(env: dict[str, str]) -> None:
                 f"the launcher set MASTER_ADDR={addr!r}, which does not resolve ({err})",
                 "set it to the first node's host name or address",
             ) from None
-    minutes = env.get("MEGATRON_TRAIN_DIST_TIMEOUT_MIN")
-    if minutes is not None:
-        try:
-            valid = math.isfinite(float(minutes)) and float(minutes) > 0
-        except ValueError:
-            valid = False
-        if not valid:
-            raise ConfigError(
-                "MEGATRON_TRAIN_DIST_TIMEOUT_MIN",
-                f"{minutes!r} is not a number of minutes above 0",
-                "set it to how long a collective may wait, e.g. 10",
-            )
+    collective_timeout()
 
 
 def node_name() -> str:
@@ -177,7 +167,18 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
 def collective_timeout() -> datetime.timedelta:
     """How long a collective may wait before the job fails: ``$MEGATRON_TRAIN_DIST_TIMEOUT_MIN``
     minutes (10, as torch's NCCL default), so a hung rank ends the job instead of its allocation."""
-    return datetime.timedelta(minutes=float(os.environ.get("MEGATRON_TRAIN_DIST_TIMEOUT_MIN", 10)))
+    text = os.environ.get("MEGATRON_TRAIN_DIST_TIMEOUT_MIN", "10")
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = math.nan
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise ConfigError(
+            "MEGATRON_TRAIN_DIST_TIMEOUT_MIN",
+            f"{text!r} is not a number of minutes above 0",
+            "set it to how long a collective may wait, e.g. 10",
+        )
+    return datetime.timedelta(minutes=minutes)
 
 
 @contextlib.contextmanager
