@@ -1113,6 +1113,13 @@ CASES = [
     ),
     Case("generate-from-a-hugging-face-model", "generate", _args("--ckpt", "WS/hf"), "import-hf"),
     Case(
+        "init-from-a-hugging-face-config-without-weights",
+        "train",
+        _train(FRESH, "checkpoint.init_from=WS/cases/init-from-a-hugging-face-config-without-weights/hf"),
+        "holds a Hugging Face config.json but no .safetensors weights",
+        _hf_copy(lambda hf: (hf / "model.safetensors").unlink()),
+    ),
+    Case(
         "inspect-common-garbage",
         "inspect",
         _args("WS/cases/inspect-common-garbage/ckpt/iter_0000004"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron_train.config import SAVE_DIR_IN_RUN
 from megatron_train.errors import CheckpointError, ConfigError
+from megatron_train.hf.model_dir import is_hf_model_dir
 
 RECORD = "complete.json"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -170,16 +171,14 @@ def locate(path: Path) -> Path:
     if iteration_of(path) is not None or (path / RECORD).exists():
         return path
     dirs = checkpoint_dirs(path) or checkpoint_dirs(path / SAVE_DIR_IN_RUN)
-    if not dirs and (path / "config.json").is_file():
-        weights = any(path.glob("*.safetensors"))
+    if not dirs and is_hf_model_dir(path):
         raise CheckpointError(
-            f"{str(path)!r} is a Hugging Face model directory, not a megatron-train checkpoint"
-            + (
-                ": train from it with checkpoint.init_from, or convert it with "
-                "tools/convert_checkpoint.py import-hf"
-                if weights
-                else ", and holds no .safetensors weights"
-            )
+            f"{str(path)!r} is a Hugging Face model directory, not a megatron-train checkpoint: train "
+            "from it with checkpoint.init_from, or convert it with tools/convert_checkpoint.py import-hf"
+        )
+    if not dirs and (path / "config.json").is_file():
+        raise CheckpointError(
+            f"{str(path)!r} holds a Hugging Face config.json but no .safetensors weights, and no checkpoint"
         )
     if not dirs:
         raise CheckpointError(

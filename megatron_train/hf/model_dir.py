@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from megatron_train.errors import ConversionError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def is_hf_model_dir(path: Path) -> bool:
@@ -32,6 +34,8 @@ def read_hf_config(hf_dir: Path) -> dict:
 
 def hf_dtype(hf: dict) -> torch.dtype | None:
     """The weights' dtype config.json declares (``dtype`` or the older ``torch_dtype``)."""
+    import torch  # here: checkpoint.files tells a model directory apart without loading torch
+
     name = hf.get("dtype") or hf.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) else None
