@@ -82,8 +82,6 @@ NonNegativeInt = Annotated[int, Range(0)]
 PositiveFloat = Annotated[float, Range(0, low_open=True)]
 NonNegativeFloat = Annotated[float, Range(0)]
 Probability = Annotated[float, Range(0, 1, high_open=True)]
-
-
 FilePath = Annotated[str, Check(lambda text: bool(text.strip()), "a non-empty path")]
 
 
@@ -1024,8 +1022,6 @@ def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
             f"{zero[0]} has weight 0" + (f" (and {len(zero) - 1} more prefixes)" if len(zero) > 1 else ""),
             "leave it out of the blend or give it a positive weight",
         )
-    if not all(p.strip() for p in prefixes):
-        raise ConfigError("data.blend", "an empty prefix", "write each dataset's path without .bin/.idx")
     return prefixes, weights
 
 
