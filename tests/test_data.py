@@ -209,11 +209,13 @@ def test_a_dataset_tokenized_again_under_its_prefix_is_refused_until_it_is_resto
     kept.mkdir()
     for suffix in (".bin", ".idx"):
         shutil.move(prefix.with_suffix(suffix), kept / f"stdlib{suffix}")
-    with open(prefix.with_suffix(".bin"), "wb") as f:  # the same size of file, other documents
+    tokens = corpus["prefix"].with_suffix(".bin").stat().st_size // 2  # uint16
+    with open(prefix.with_suffix(".bin"), "wb") as f:  # a .bin of the same size, other documents
         writer = TokenWriter(f, np.dtype(np.uint16))
-        writer.add([[7] * 100] * (corpus["prefix"].with_suffix(".bin").stat().st_size // 200))
+        writer.add([[7] * 100] * (tokens // 100) + [[7] * (tokens % 100)])
     writer.write_index(prefix.with_suffix(".idx"))
-    with pytest.raises(ConfigError, match="is not the dataset the index cache"):
+    assert prefix.with_suffix(".bin").stat().st_size == kept.joinpath("stdlib.bin").stat().st_size
+    with pytest.raises(ConfigError, match="is not the dataset the index cache .* same size, other documents"):
         data_cache.check_unchanged(cache, [str(prefix)])
 
     for suffix in (".bin", ".idx"):  # a copy back, with new timestamps, is the same dataset
