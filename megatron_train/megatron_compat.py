@@ -50,6 +50,11 @@ DATASET_INDEX_MESSAGE = re.compile(r"(Build and save|Load) the GPTDataset (train
 dataset and split, as it starts building its sample index or reading it from the cache. It has
 no other signal of progress."""
 
+ASYNC_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+ASYNC_WRITER_FAILURE = re.compile(r"^Local process \d+ encountered an error: ")
+"""When a checkpoint's writer process fails (a full disk), megatron logs this line before raising
+the same error, which our save reports in its own words."""
+
 
 def is_tested_version() -> bool:
     """Whether the installed megatron-core is in :data:`TESTED`."""

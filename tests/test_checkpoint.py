@@ -326,8 +326,8 @@ def test_a_save_the_file_system_refuses_stops_the_run_and_keeps_the_last_checkpo
         cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
     )  # fmt: skip
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1, result.stderr[-3000:]
     assert len(errors) == 1 and "checkpoint step 6 could not be written" in errors[0], errors
     assert "iter_0000004 is the newest complete checkpoint" in errors[0]
     assert (save_dir / files.TRACKER).read_text().strip() == "4"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import multiprocessing
 import os
 import select
@@ -54,6 +55,11 @@ from megatron_train.checkpoint.state import (
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
 from megatron_train.stopping import STOP_SIGNALS, Decision
+
+# A failed write is reported once, as SaveFailed's one line.
+logging.getLogger(megatron_compat.ASYNC_WRITER_LOGGER).addFilter(
+    lambda record: not megatron_compat.ASYNC_WRITER_FAILURE.match(record.getMessage())
+)
 
 
 class SaveFailed(RuntimeError):
