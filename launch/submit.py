@@ -4,7 +4,7 @@
         --partition gpu --account myproj [--container-image nvcr.io#...] [key=value ...]
 
 Nothing is submitted when the preflight finds a problem (exit 2). --dry-run prints the sbatch
-command instead of running it.
+command, with the variables pretrain.sbatch reads, instead of running it.
 """
 
 from __future__ import annotations
@@ -85,7 +85,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--container-mounts", type=container_mounts, help="extra pyxis mounts, src:dst[,src:dst]"
     )
     parser.add_argument("--log-dir", default="logs", help="per-job directory with per-rank logs goes here")
-    parser.add_argument("--python", default=sys.executable, help="interpreter on the compute nodes")
+    parser.add_argument(
+        "--python",
+        type=cli.non_empty,
+        help="interpreter on the compute nodes (default: this one; in a container, the image's python)",
+    )
     parser.add_argument("--skip-preflight", action="store_true")
     parser.add_argument(
         "--gpu-memory-gib",
@@ -114,12 +118,14 @@ def sbatch_command(args: argparse.Namespace) -> list[str]:
     return [*cmd, str(SBATCH_SCRIPT), *args.overrides]
 
 
-def job_environment(args: argparse.Namespace) -> dict[str, str]:
-    """What pretrain.sbatch reads (sbatch exports the submitting environment by default)."""
+def job_variables(args: argparse.Namespace) -> dict[str, str]:
+    """What pretrain.sbatch reads, on top of the submitting environment that sbatch exports."""
+    # Inside a container this interpreter's path (a venv on the login node) would run the host's
+    # packages, or nothing; the image's own python has the stack the image was built with.
+    python = args.python or ("python" if args.container_image else sys.executable)
     env = {
-        **os.environ,
         "MT_CONFIG": str(Path(args.config).resolve()),
-        "MT_PYTHON": args.python,
+        "MT_PYTHON": python,
         "MT_MAX_REQUEUES": str(args.max_requeues),
         "MT_LOG_DIR": str(Path(args.log_dir).resolve()),
         "MT_REPO": str(ROOT),
@@ -183,7 +189,7 @@ def sbatch(args: argparse.Namespace, cmd: list[str]) -> subprocess.CompletedProc
     log_dir = Path(args.log_dir)
     created = [p for p in (log_dir, *log_dir.parents) if not p.exists()]
     log_dir.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(cmd, env=job_environment(args), capture_output=True, text=True)
+    result = subprocess.run(cmd, env={**os.environ, **job_variables(args)}, capture_output=True, text=True)
     if result.returncode != 0:
         for folder in created:
             folder.rmdir()
@@ -219,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = sbatch_command(args)
     if args.dry_run:
         sys.stderr.write(report)
-        print(shlex.join(cmd))
+        assignments = [f"{name}={value}" for name, value in job_variables(args).items()]
+        print(shlex.join(["env", *assignments, *cmd]))
         return 0
     result = sbatch(args, cmd)
     if result.returncode != 0:

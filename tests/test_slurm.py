@@ -220,4 +220,25 @@ def test_a_request_sbatch_refuses_is_one_line_and_leaves_no_log_dir(slurm, corpu
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("error: sbatch refused the job: "), result.stderr
     assert "partition" in result.stderr and "Nothing was submitted" in result.stderr
-    assert not (tmp_path / "logs").exists()
+    assert not logs.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "python"),
+    [((), sys.executable), (("--container-image", "/shared/mt.sqsh"), "python"),
+     (("--container-image", "/shared/mt.sqsh", "--python", "/opt/venv/bin/python"), "/opt/venv/bin/python")],
+)  # fmt: skip
+def test_dry_run_prints_the_job_s_variables_and_a_container_runs_its_own_python(
+    tmp_path, capsys, extra, python
+):
+    """A login node's interpreter does not exist in a container image (or runs the host's packages)."""
+    config = tmp_path / "cfg.yaml"
+    config.write_text("{}\n")
+    submit_main = load_tool("launch/submit.py").main
+    logs = tmp_path / "logs"
+    argv = ["--config", str(config), "--skip-preflight", "--dry-run", "--log-dir", str(logs), *extra]
+    assert submit_main(argv) == 0
+    words = capsys.readouterr().out.split()
+    assert words[0] == "env" and f"MT_PYTHON={python}" in words and f"MT_CONFIG={config}" in words
+    assert words[words.index("sbatch") - 1].startswith("MT_")
+    assert not logs.exists()
