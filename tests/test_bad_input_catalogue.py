@@ -928,6 +928,12 @@ CASES = [
         "spm.model",
     ),
     Case(
+        "import-hf-into-the-hf-directory",
+        "convert",
+        _args("import-hf", "--hf", "WS/hf", "--out", "WS/hf/megatron"),
+        "is inside the Hugging Face directory",
+    ),
+    Case(
         "import-hf-tp-3",
         "convert",
         _args("import-hf", "--hf", "WS/hf", "--out", "WS/cases/o", "--tp", "3"),

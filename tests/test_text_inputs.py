@@ -189,7 +189,11 @@ def test_sharded_output_resumes_and_merges_into_the_single_dataset(tmp_path, cor
     assert "2 of 3 datasets already written" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in shards.glob("part__c.*")} == kept
     assert not list(shards.glob("*.tmp"))
-    assert merge.main(["--input", str(shards), "--output-prefix", str(tmp_path / "merged")]) == 0
+    # A dataset named twice, the second time by another spelling, is merged once (as preprocess
+    # reads a file named twice once).
+    again = f"{shards}/../shards/part__c"
+    assert merge.main(["--input", str(shards), again, "--output-prefix", str(tmp_path / "merged")]) == 0
+    assert "from 3 dataset(s)" in capsys.readouterr().out
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"merged{suffix}").read_bytes() == (tmp_path / f"one{suffix}").read_bytes()
 

@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dataset_prefixes(specs: list[str]) -> list[str]:
-    """The datasets ``specs`` name: prefixes as given, and each ``*.idx`` in a folder (sorted)."""
-    prefixes = []
+    """The datasets ``specs`` name: prefixes as given, and each ``*.idx`` in a folder (sorted).
+    A dataset named twice (a folder and one of its datasets, say) is merged once, where it first
+    appears, as tools/preprocess_data.py reads a file named twice once."""
+    prefixes: dict[Path, str] = {}
     for spec in specs:
         if Path(spec).is_dir():
             found = sorted(str(p.with_suffix("")) for p in Path(spec).glob("*.idx"))
@@ -41,10 +43,11 @@ def dataset_prefixes(specs: list[str]) -> list[str]:
                 raise ConfigError(
                     "--input", f"{spec} holds no .idx/.bin dataset", "point it at preprocessed data"
                 )
-            prefixes += found
         else:
-            prefixes.append(spec)
-    return prefixes
+            found = [spec]
+        for prefix in found:
+            prefixes.setdefault(Path(prefix).resolve(), prefix)
+    return list(prefixes.values())
 
 
 def merge(args: argparse.Namespace) -> None:

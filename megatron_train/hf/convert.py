@@ -103,11 +103,18 @@ def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
     return True
 
 
+def _check_outside(out: Path, source: Path, what: str) -> None:
+    if Path(out).absolute().resolve().is_relative_to(Path(source).absolute().resolve()):
+        raise ConversionError(f"--out {out} is inside {what} {source}; choose a folder outside it")
+
+
 def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab_pad_multiple: int = 128,
               log: Callable[[str], None] = print) -> Path:  # fmt: skip
     """Convert a Hugging Face model directory into a checkpoint under ``out``; returns its path."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
+    # Inside it, the checkpoint would become part of the model directory (and be uploaded with it).
+    _check_outside(out, hf_dir, "the Hugging Face directory")
     cfg = imported_config(hf, tensor, pipeline, vocab_pad_multiple)
     m, family = cfg.model, family_of(cfg.model)
     weights = HFWeights(hf_dir)
@@ -245,9 +252,8 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
     """Write a checkpoint as a transformers model directory ``out``; returns ``out``. ``tokenizer``
     replaces the path a trained run's config names (imported checkpoints carry their own)."""
     path = files.resolve_explicit(Path(ckpt))
-    if Path(out).absolute().resolve().is_relative_to(path.absolute().resolve()):
-        # Inside it, the export would change the checkpoint (an hf/ folder marks an imported one).
-        raise ConversionError(f"--out {out} is inside the checkpoint {path}; choose a folder outside it")
+    # Inside it, the export would change the checkpoint (an hf/ folder marks an imported one).
+    _check_outside(out, path, "the checkpoint")
     common = read_common(path)
     m = from_dict(ModelConfig, common["config"]["model"])
     family = family_of(m)
