@@ -58,3 +58,25 @@ def test_cross_entropy_memory_benchmark_prints_a_row_per_mode():
             result.stdout
         )
     assert "device: cpu" in result.stdout
+
+
+def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_path):
+    """The one-call GPU plan, at the tiny shape: each step's real command runs and leaves its log."""
+    session = [sys.executable, "benchmarks/gpu_session.py", "--cpu"]
+    result = subprocess.run(
+        [*session, "--out", str(tmp_path / "dry")], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
+    steps = ["throughput_eager", "throughput_compiled", "cross_entropy_memory"]
+    assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
+    assert "torch.compile" in (tmp_path / "dry" / "throughput_compiled.log").read_text()
+
+    spent = subprocess.run(
+        [*session, "--out", str(tmp_path / "spent"), "--budget-s", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert spent.returncode == 1
+    assert all("skipped" in line for line in (tmp_path / "spent" / "summary.txt").read_text().splitlines())

@@ -1,0 +1,130 @@
+"""One device call's worth of the GPU checks and benchmarks, the most wanted first, each in a time box.
+
+    python benchmarks/gpu_session.py --out $OUT [--budget-s 540]      # on the GPU node
+    python benchmarks/gpu_session.py --out /tmp/dry --cpu                # dry run of every step here
+
+On the node: the checkout, and wheelhouse/ from ``tools/build_wheelhouse.sh --python 3.12
+--node-freeze F --with-torchtitan 0.2.2`` (installed first unless megatron-core already imports).
+A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
+this script runs the whole plan in one command. Each step is a real command line (the offline
+install, benchmarks/throughput.py eager and compiled, benchmarks/gpu_smoke.py,
+benchmarks/cross_entropy_memory.py); it gets at most its own cap and what is left of the budget,
+and a step that fails or runs out of time does not stop the next. Every step's output goes to
+``OUT/<step>.log`` and a table of what ran, how long and how it ended to ``OUT/summary.txt``,
+so what a cut-short session measured still comes back. ``--cpu`` runs the same steps at the tiny
+shape on this machine, leaving out the GPU smoke test (it needs CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MIN_STEP_S = 45
+"""A step is not started with less time than this left: it would only spend it starting up."""
+TAIL_LINES = 12
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    cap_s: int
+    argv: list[str]
+
+
+def plan(cpu: bool) -> list[Step]:
+    py = sys.executable
+    # The CPU dry run: every script and flag the GPU run uses, at the tiny shape.
+    tiny = (
+        ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1"]
+        if cpu
+        else ["--steps", "10", "--warmup", "3"]
+    )
+    frameworks = "ours" if cpu else "ours,hf,torchtitan"
+    steps = []
+    install = ROOT / "wheelhouse" / "install.sh"
+    if install.exists() and not _imports("megatron.core"):
+        steps.append(Step("install", 240, ["bash", str(install)]))
+    steps.append(
+        Step("throughput_eager", 300, [py, "benchmarks/throughput.py", "--frameworks", frameworks, *tiny])
+    )
+    if not cpu:
+        # Its runs and checkpoints stay on the node; only its log comes back.
+        runs = tempfile.mkdtemp(prefix="gpu_smoke-")
+        smoke = [py, "benchmarks/gpu_smoke.py", "--out", f"{runs}/runs", "--checks", "demo,resume"]
+        steps.append(Step("smoke", 240, smoke))
+    compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
+    steps.append(Step("throughput_compiled", 300, [py, "benchmarks/throughput.py", *compiled, *tiny]))
+    ce = ["--seq", "64", "--vocab", "512", "--repeats", "1"] if cpu else []
+    steps.append(Step("cross_entropy_memory", 150, [py, "benchmarks/cross_entropy_memory.py", *ce]))
+    return steps
+
+
+def _imports(module: str) -> bool:
+    probe = [sys.executable, "-c", f"import {module}"]
+    return subprocess.run(probe, cwd=ROOT, capture_output=True).returncode == 0
+
+
+def run_step(step: Step, timeout_s: float, log: Path) -> str:
+    """Run one step into ``log``; returns how it ended. The step's whole process group goes when
+    it runs out of time (torchrun and its ranks too)."""
+    with open(log, "w") as out:
+        out.write(f"$ {' '.join(step.argv)}\n")
+        out.flush()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return f"out of time after {timeout_s:.0f} s"
+    return "ok" if code == 0 else f"failed (exit {code})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="folder for the logs and summary.txt (made if missing)")
+    parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole plan")
+    parser.add_argument("--cpu", action="store_true", help="dry run at the tiny shape on this machine")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    rows = []
+    for step in plan(args.cpu):
+        left = deadline - time.monotonic()
+        if left < MIN_STEP_S:
+            rows.append((step.name, 0.0, f"skipped ({left:.0f} s of the budget left)"))
+            continue
+        started = time.monotonic()
+        ended = run_step(step, min(step.cap_s, left), out / f"{step.name}.log")
+        rows.append((step.name, time.monotonic() - started, ended))
+        print(f"{step.name}: {ended} in {rows[-1][1]:.0f} s", flush=True)
+    summary = "\n".join(f"{name:<22} {seconds:6.0f} s  {ended}" for name, seconds, ended in rows) + "\n"
+    (out / "summary.txt").write_text(summary)
+    # The call's reply shows only the end of the output: each step's last lines (its table) go there.
+    for name, _, _ in rows:
+        if (log := out / f"{name}.log").exists():
+            print(
+                f"--- {name} (last lines of {log.name})",
+                *log.read_text().splitlines()[-TAIL_LINES:],
+                sep="\n",
+            )
+    print(summary, end="")
+    return 0 if all(ended == "ok" for _, _, ended in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
