@@ -54,6 +54,9 @@ ASYNC_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_as
 ASYNC_WRITER_FAILURE = re.compile(r"^Local process \d+ encountered an error: ")
 """When a checkpoint's writer process fails (a full disk), megatron logs this line before raising
 the same error, which our save reports in its own words."""
+ASYNC_WRITER_GONE = "results_queue should not be empty"
+"""0.16: what a rank's save finalisation raises when its writer process ended without reporting a
+result, having been killed (the out-of-memory killer's SIGKILL, say) or having crashed."""
 
 
 def is_tested_version() -> bool:

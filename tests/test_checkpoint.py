@@ -334,6 +334,49 @@ def test_a_save_the_file_system_refuses_stops_the_run_and_keeps_the_last_checkpo
     files.verify(files.iteration_dir(save_dir, 4), checksums=True)
 
 
+# Run in the training process through sitecustomize: the first save's writer, once it has started
+# (it lowers its priority first), is killed as the out-of-memory killer would kill it.
+KILL_FIRST_WRITER = """
+import os
+import signal
+
+_nice = os.nice
+
+
+def _killed_once(increment):
+    try:
+        os.close(os.open({marker!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return _nice(increment)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.nice = _killed_once
+"""
+
+
+def test_a_writer_killed_while_it_writes_stops_the_run_naming_it_and_keeps_the_last_checkpoint(
+    tmp_path, trained
+):
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    hook, marker = tmp_path / "hook", tmp_path / "killed-once"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_FIRST_WRITER.format(marker=str(marker)))
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(trained["config"]),
+           f"logging.run_dir={run}", "train.steps=6"]  # fmt: skip
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert marker.exists(), "no writer was killed"
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    assert "checkpoint step 6 could not be written" in errors[0], errors
+    assert "rank 0's checkpoint writer process was killed" in errors[0], errors
+    save_dir = run / "checkpoints"
+    assert (save_dir / files.TRACKER).read_text().strip() == "4"
+    files.verify(files.iteration_dir(save_dir, 4), checksums=True)
+
+
 def test_truncated_latest_falls_back_in_auto_and_fails_when_explicit(tmp_path, trained):
     save_dir = tmp_path / "checkpoints"
     shutil.copytree(trained["save_dir"], save_dir)

@@ -144,6 +144,16 @@ def _schedule_watched(queue: AsyncCallsQueue, request) -> None:
         os.close(write_fd)
 
 
+def _write_failure(rank: int, err: BaseException) -> str:
+    """What went wrong with ``rank``'s part of a save, for the error line."""
+    if megatron_compat.ASYNC_WRITER_GONE in str(err):
+        return (
+            f"rank {rank}'s checkpoint writer process was killed, or crashed, before it finished "
+            "(the out-of-memory killer often picks it: it holds a host copy of the rank's state)"
+        )
+    return errors.reason(err)
+
+
 def _start_results_manager() -> None:
     """Start the multiprocessing Manager megatron's async writer reports results through.
 
@@ -332,7 +342,7 @@ class Checkpointer:
         try:
             yield
         except CheckpointException as err:
-            causes = sorted({errors.reason(exc) for exc, _ in err.failures.values()})
+            causes = sorted({_write_failure(rank, exc) for rank, (exc, _) in err.failures.items()})
             raise self._save_failed(*self._writing, "; ".join(causes) or "see rank 0") from None
 
     def _save_failed(self, iteration: int, path: Path, cause: str) -> SaveFailed:
@@ -342,7 +352,7 @@ class Checkpointer:
         return SaveFailed(
             f"checkpoint step {iteration} could not be written to {path} "
             f"({cause}; {free:,.1f} MiB free on its file system). "
-            f"{resume}: fix the cause (e.g. free space) and run the same command to resume"
+            f"{resume}: fix the cause and run the same command to resume"
         )
 
     def release(self) -> None:
