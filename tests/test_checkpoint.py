@@ -377,6 +377,68 @@ def test_a_writer_killed_while_it_writes_stops_the_run_naming_it_and_keeps_the_l
     files.verify(files.iteration_dir(save_dir, 4), checksums=True)
 
 
+# Run in the training process through sitecustomize: the first process that the save's writer
+# forks to write its files (megatron forks one per bucket) records its pid and kills the writer
+# once the writer waits for it. megatron's worker then waits forever for the dead writer to
+# acknowledge its "done" (multiprocessing's Condition.notify_all).
+KILL_WRITER_UNDER_ITS_WORKER = """
+import os
+import signal
+import time
+
+_TRAINING = os.getpid()
+
+
+def _kill_the_writer_once():
+    if os.getppid() == _TRAINING:
+        return
+    try:
+        fd = os.open({marker!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    time.sleep(1.0)
+    os.kill(os.getppid(), signal.SIGKILL)
+
+
+os.register_at_fork(after_in_child=_kill_the_writer_once)
+"""
+
+
+def test_a_writer_s_own_workers_end_with_it_instead_of_outliving_the_run(tmp_path, trained):
+    """An orphaned worker would wait forever, holding the job's output open (a pipe never ends)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    hook, marker = tmp_path / "hook", tmp_path / "worker-pid"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_WRITER_UNDER_ITS_WORKER.format(marker=str(marker)))
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(trained["config"]),
+           f"logging.run_dir={run}", "train.steps=6"]  # fmt: skip
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    worker = int(marker.read_text())
+    try:
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "the writer's worker outlived it"
+    finally:
+        if _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+    assert result.returncode == 1 and "rank 0's checkpoint writer process was killed" in result.stderr, (
+        result.stderr[-3000:]
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_truncated_latest_falls_back_in_auto_and_fails_when_explicit(tmp_path, trained):
     save_dir = tmp_path / "checkpoints"
     shutil.copytree(trained["save_dir"], save_dir)

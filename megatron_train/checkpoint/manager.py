@@ -10,6 +10,7 @@ the files (sizes, SHA-256) in a thread, then moves the tracker and applies reten
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import logging
 import multiprocessing
@@ -17,6 +18,7 @@ import os
 import select
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -96,12 +98,37 @@ WRITER_NICENESS = 10
 WRITER_START_TIMEOUT_S = 10.0
 
 
+# Looked up here, not in a forked child: loading a library there can deadlock on a lock another
+# thread of the parent held at the fork.
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_with(parent: int) -> None:
+    """Have the kernel kill this (just forked) process when its parent ``parent`` exits, and exit
+    now if it already has."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _in_writer(write: Callable, started_fd: int) -> Callable:
     """``write`` (megatron's writer entry point, run in the forked writer) reporting on
-    ``started_fd`` that the child runs, then writing at a lower CPU priority."""
+    ``started_fd`` that the child runs, then writing at a lower CPU priority.
+
+    The writer ends with its rank (what it writes could no longer be recorded), and the processes
+    megatron forks in it to write each bucket end with it: a worker whose writer was killed (by the
+    out-of-memory killer, say) waits forever for it to take its result, holding the job's output
+    open, so that a pipe or launcher reading it never sees its end.
+    """
+    rank_pid = os.getpid()
 
     @functools.wraps(write)
     def run(*args, **kwargs):
+        _end_with(rank_pid)
+        writer_pid = os.getpid()
+        os.register_at_fork(after_in_child=lambda: _end_with(writer_pid))
         os.write(started_fd, b"s")
         os.nice(WRITER_NICENESS)
         return write(*args, **kwargs)
