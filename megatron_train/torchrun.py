@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing import SignalException
@@ -48,6 +49,20 @@ def exit_code(err: ChildFailedError) -> int:
     return 1
 
 
+def failure_line(err: ChildFailedError) -> str:
+    """What the launcher says of failed ranks that did not report for themselves."""
+    rank, first = err.get_first_failure()
+    if first.exitcode >= 0:
+        return f"rank {rank} failed first, with exit code {first.exitcode}; its output is above"
+    try:
+        name = signal.Signals(-first.exitcode).name
+    except ValueError:
+        name = f"signal {-first.exitcode}"
+    # A killed rank prints nothing: the kernel log says who killed it.
+    who = " (the out-of-memory killer sends it: see dmesg)" if -first.exitcode == signal.SIGKILL else ""
+    return f"rank {rank} was killed by {name}{who} before any other rank failed"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -72,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as err:
         code = exit_code(err)
         if code == 1:
-            rank, first = err.get_first_failure()
-            cli.report(f"rank {rank} failed first, with exit code {first.exitcode}; its output is above")
+            cli.report(failure_line(err))
         return code
     except SignalException as err:
         # The agent passed the signal on to the ranks, which saved and reported for themselves.

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from megatron_train.torchrun import exit_code, main
+from megatron_train.torchrun import exit_code, failure_line, main
 from tests.conftest import ROOT
 
 
@@ -35,6 +35,18 @@ def _failed(*codes: int) -> ChildFailedError:
 )
 def test_the_first_ranks_reported_code_is_the_launchers(codes, expected):
     assert exit_code(_failed(*codes)) == expected
+
+
+@pytest.mark.parametrize(
+    ("codes", "says"),
+    [
+        ((1, -15), "rank 0 failed first, with exit code 1; its output is above"),
+        ((-9, -15), "rank 0 was killed by SIGKILL (the out-of-memory killer sends it: see dmesg)"),
+        ((-11, 1), "rank 0 was killed by SIGSEGV before any other rank failed"),
+    ],
+)
+def test_the_launcher_names_the_first_failed_rank_and_how_it_ended(codes, says):
+    assert failure_line(_failed(*codes)).startswith(says)
 
 
 @pytest.mark.parametrize(
