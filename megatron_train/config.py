@@ -1014,6 +1014,19 @@ def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
         )
     else:
         prefixes, weights = list(blend[1::2]), [float(w) for w in blend[::2]]
+    seen: dict[str, str] = {}
+    for prefix in prefixes:
+        path = os.path.normpath(os.path.abspath(prefix))
+        if path in seen:
+            # Both entries shuffle the same documents with the same seed: every sample comes twice.
+            first = seen[path]
+            also = "" if first == prefix else f" (also as {first})"
+            raise ConfigError(
+                "data.blend",
+                f"{prefix} is named twice{also}",
+                "name each dataset once; to weight it up, give it a larger weight in [weight, prefix, ...]",
+            )
+        seen[path] = prefix
     zero = [p for w, p in zip(weights, prefixes, strict=True) if w == 0] if weights else []
     if zero:
         # megatron-core's blend asserts that every weight is positive

@@ -400,6 +400,12 @@ CASES = [
         "run has weight 0",
     ),
     Case("blend-negative-weight", "train", _train("data.blend=[-1, WS/corpus/stdlib]"), "'data.blend'"),
+    Case(
+        "blend-names-a-dataset-twice",
+        "train",
+        _train("data.blend=[0.7, WS/corpus/stdlib, 0.3, WS/corpus/../corpus/stdlib]"),
+        "named twice",
+    ),
     Case("blend-missing-idx", "train", _train("data.blend=[WS/corpus/nothing]"), "does not exist"),
     Case("blend-names-the-bin", "train", _train("data.blend=[WS/corpus/stdlib.bin]"), "drop the suffix"),
     Case("blend-names-a-folder", "train", _train("data.blend=[WS/corpus]"), "e.g. "),
