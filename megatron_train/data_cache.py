@@ -10,8 +10,12 @@ indices were built, and a start against a changed one is refused.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy
@@ -23,6 +27,9 @@ RECORD = "datasets.json"
 """The cache's record of the datasets its indices were built from, by prefix as the blend writes it:
 megatron's cache names hold that text, so a relative prefix met from another working directory
 reuses the same indices, and must be the same dataset too."""
+
+LOCK = "build.lock"
+"""The file whose lock a run holds while it builds or reads indices in the cache (:func:`building`)."""
 
 # Bytes read from each end of the .idx: its header and first sequence lengths, and its last
 # document offsets. A blend of thousands of shards reads a few MB at every start, not its indices.
@@ -88,12 +95,40 @@ def record(cache_dir: str | Path, prefixes: list[str]) -> None:
     write_atomic(cache_dir / RECORD, json.dumps({**recorded, **now}, indent=1, sort_keys=True) + "\n")
 
 
+@contextlib.contextmanager
+def building(cache_dir: str | Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold ``cache_dir`` while this run checks, builds and reads its indices there (rank 0 of
+    the run; the other ranks read after it built).
+
+    Runs may share a cache dir (a blend of thousands of shards takes minutes to index).
+    megatron writes its index files in place, so a second run starting while the first builds
+    would take the half-written files as torn and delete them, or write them again under the
+    first run's readers. The lock is the kernel's advisory lock (flock) on :data:`LOCK`: it ends
+    with the process however it ends. A file system without such locks builds unlocked.
+    """
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # A file of its own, not the folder: the cache dir may be the run dir, which run_lock holds.
+    fd = os.open(cache_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"data cache: another run is building indices in {cache_dir}; waiting for it")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # no locks on this file system
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
 def drop_torn_indices(cache_dir: str) -> list[Path]:
     """Delete the index files in ``cache_dir`` that are shorter than their header says, and
     return them. megatron writes its cached indices in place and takes the cache as built when
     all of a dataset's files exist, so a build cut short (a full disk, a job killed while
     writing the last file) would fail every later start; without the file it builds them again.
-    Every rank calls this before the build, and none writes to the cache before all have."""
+    Rank 0 calls this holding :func:`building`, before the build."""
     torn = []
     # Only megatron's own index files ("<hash>-GPTDataset-train-sample_index.npy"): the cache may
     # be a folder that holds other arrays too.

@@ -9,6 +9,7 @@ train.exit_after_minutes after saving a checkpoint: run the same command again t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import os
 import sys
@@ -136,13 +137,15 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     started = time.perf_counter()
     indices = IndexProgress(index_count(cfg), log.info)
     cache_dir = data_cache_dir(cfg)
-    torn = data_cache.drop_torn_indices(str(cache_dir))
-    if torn:
-        names = ", ".join(p.name for p in torn)
-        log.info(f"data cache: rebuilding what an earlier build cut short (removed {names})")
-    if rt.is_main:
-        data_cache.record(cache_dir, blend_prefixes(cfg.data.blend))
-    with runtime.patient_collectives(cfg.data.build_timeout_minutes):
+    with (
+        data_cache.building(cache_dir, log.info) if rt.is_main else contextlib.nullcontext(),
+        runtime.patient_collectives(cfg.data.build_timeout_minutes),
+    ):
+        if rt.is_main:
+            if torn := data_cache.drop_torn_indices(str(cache_dir)):
+                names = ", ".join(p.name for p in torn)
+                log.info(f"data cache: rebuilding what an earlier build cut short (removed {names})")
+            data_cache.record(cache_dir, blend_prefixes(cfg.data.blend))
         torch.distributed.barrier()
         train_ds, valid_ds = build_datasets(cfg, str(cache_dir), indices)
     log.info(

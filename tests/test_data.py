@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -187,6 +188,26 @@ def test_an_index_file_cut_short_in_the_cache_is_dropped_and_built_again(
     train, _ = build_datasets(cfg, str(cache), progress)
     assert progress.summary() == "1 built, 1 from cache" and len(train) > 0
     assert drop_torn_indices(str(cache)) == []
+
+
+def test_a_run_waits_while_another_builds_indices_in_a_shared_cache(tmp_path, corpus):
+    """megatron writes index files in place: a second run would delete them as torn, or rewrite
+    them under the first run's readers."""
+    cache, log = tmp_path / "shared-cache", tmp_path / "run.log"
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", data={"cache_dir": str(cache)},
+                          train={"steps": 3, "eval_interval": 0})  # fmt: skip
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config)]
+    with data_cache.building(cache, lambda line: None):  # another run, building
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=torchrun_env(), stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while "another run is building indices" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert not list(cache.glob("*.npy")), "it built while the other run held the cache"
+    assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    assert "datasets ready" in log.read_text() and list(cache.glob("*-train-shuffle_index.npy"))
 
 
 def test_a_dataset_tokenized_again_under_its_prefix_is_refused_until_it_is_restored(
