@@ -149,9 +149,11 @@ def test_reshard_on_resume_changes_layout_and_world_size(tmp_path, corpus):
             assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"{name} step {step}"
 
 
-def test_interval_saves_resume_at_any_dp_size_and_refuse_another_model_split(tmp_path, corpus):
+def test_interval_saves_resume_at_any_dp_size_and_move_to_another_model_split_by_a_stop_save(
+    tmp_path, corpus
+):
     """``optimizer_format=auto``: interval saves keep each DP rank's optimizer shard as is
-    (dp_reshardable), the end-of-run save is fully_reshardable."""
+    (dp_reshardable), the end-of-run and stop saves are fully_reshardable."""
     train = {"steps": 6, "micro_batch_size": 1, "eval_interval": 0}
     base = write_config(tmp_path / "base.yaml", corpus, tmp_path / "base", optimizer=SMALL_LR, train=train,
                         checkpoint={"interval": 3})  # fmt: skip
@@ -174,10 +176,6 @@ def test_interval_saves_resume_at_any_dp_size_and_refuse_another_model_split(tmp
         if name == "dp4":
             assert resumed.returncode == 0, resumed.stderr[-4000:]
             assert "resharded from TP1 x PP1 x VPP1 x DP2 to TP1 x PP1 x VPP1 x DP4" in resumed.stdout
-            got = {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
-            assert sorted(got) == [4, 5, 6]
-            for step, loss in got.items():
-                assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"step {step}"
         else:
             errors = [line for line in resumed.stderr.splitlines() if line.startswith("error:")]
             assert len(errors) == 1, resumed.stderr[-3000:]
@@ -185,6 +183,19 @@ def test_interval_saves_resume_at_any_dp_size_and_refuse_another_model_split(tmp
             assert "[rank" not in resumed.stderr, "a rank printed a traceback"
             assert "exitcode  : 2" in resumed.stderr
             assert not (run_dir / "metrics.jsonl").exists()
+            # The way out the error names: the run's next step at its own layout, then a stop save.
+            moved = torchrun(2, config, "train.exit_after_minutes=0.001")
+            assert "exitcode  : 3" in moved.stderr, moved.stderr[-3000:]
+            common = torch.load(
+                files.iteration_dir(run_dir / "checkpoints", 4) / "common.pt", weights_only=True
+            )
+            assert common["optimizer_format"] == "fully_reshardable"
+            resumed = torchrun(2, config, *layout)
+            assert resumed.returncode == 0, resumed.stderr[-4000:]
+        got = {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+        assert sorted(got) == [4, 5, 6]
+        for step, loss in got.items():
+            assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"{name}, step {step}"
 
 
 def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus):

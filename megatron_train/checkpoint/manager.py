@@ -434,8 +434,10 @@ class Checkpointer:
             raise CheckpointError(
                 f"{path} holds its optimizer state per data-parallel shard (dp_reshardable), which "
                 f"resumes only at {saved.describe_model_split()} "
-                f"(any DP), not {now.describe()}: resume at that layout, or from an end-of-run or stop "
-                "save (always fully_reshardable), or set checkpoint.finetune=true to take only its weights"
+                f"(any DP), not {now.describe()}. To move it, run once at that layout with "
+                "train.exit_after_minutes=0.001: it trains one step and stops with a save that loads at any "
+                "layout (stop and end-of-run saves are fully_reshardable); or set checkpoint.finetune=true "
+                "to take only its weights"
             )
         check_architecture(model_state(model), read_tensor_metadata(path))
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True, fmt=fmt)
