@@ -52,7 +52,7 @@ def plan(cpu: bool) -> list[Step]:
     steps = []
     install = ROOT / "wheelhouse" / "install.sh"
     if install.exists() and not _imports("megatron.core"):
-        steps.append(Step("install", 240, ["bash", str(install)]))
+        steps.append(Step("install", 240, ["env", f"PYTHON={py}", "bash", str(install)]))
     steps.append(
         Step("throughput_eager", 300, [py, "benchmarks/throughput.py", "--frameworks", frameworks, *tiny])
     )
