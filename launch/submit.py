@@ -225,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = sbatch_command(args)
     if args.dry_run:
         sys.stderr.write(report)
+        # As pasted into a shell: sbatch does not make the folder its --output names.
         assignments = [f"{name}={value}" for name, value in job_variables(args).items()]
-        print(shlex.join(["env", *assignments, *cmd]))
+        mkdir = shlex.join(["mkdir", "-p", str(Path(args.log_dir).resolve())])
+        print(f"{mkdir} && {shlex.join(['env', *assignments, *cmd])}")
         return 0
     result = sbatch(args, cmd)
     if result.returncode != 0:

@@ -238,7 +238,9 @@ def test_dry_run_prints_the_job_s_variables_and_a_container_runs_its_own_python(
     logs = tmp_path / "logs"
     argv = ["--config", str(config), "--skip-preflight", "--dry-run", "--log-dir", str(logs), *extra]
     assert submit_main(argv) == 0
-    words = capsys.readouterr().out.split()
+    mkdir, _, words = capsys.readouterr().out.partition(" && ")
+    assert mkdir == f"mkdir -p {logs}"
+    words = words.split()
     assert words[0] == "env" and f"MT_PYTHON={python}" in words and f"MT_CONFIG={config}" in words
     assert words[words.index("sbatch") - 1].startswith("MT_")
     assert not logs.exists()
