@@ -88,6 +88,15 @@ def use_async_results_queue(queue: Any) -> None:
     filesystem_async._results_queue = queue
 
 
+def last_async_call_exitcode(queue: AsyncCallsQueue) -> int | None:
+    """The exit code of the writer process of the newest call on ``queue``; None while it runs.
+
+    0.16: see :func:`fork_last_async_call_again`.
+    """
+    _, caller, _ = queue.async_calls[-1]
+    return caller.process.exitcode
+
+
 def fork_last_async_call_again(queue: AsyncCallsQueue) -> None:
     """Kill the writer process of the newest call on ``queue`` and fork a new one for it.
 

@@ -278,28 +278,35 @@ def test_kill_during_async_save_resumes_from_previous_complete(tmp_path, corpus)
 
 # Run in the training process through sitecustomize: the first process it forks (the first
 # save's writer) hangs before running any Python of its own, where CPython before 3.11.10 leaves
-# a child forked while another thread held its thread list lock (gh-112275).
-HANG_FIRST_FORKED_CHILD = """
+# a child forked while another thread held its thread list lock (gh-112275); the second (the
+# writer forked again) dies before it starts, as one the out-of-memory killer picks would.
+HANG_THEN_KILL_FORKED_CHILDREN = """
 import os
 import time
 
 
-def _hang_first_forked_child():
-    try:
-        os.close(os.open({marker!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
+def _hang_then_die():
+    for marker, act in (({hung!r}, lambda: time.sleep(3600)), ({died!r}, lambda: os._exit(7))):
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        act()
         return
-    time.sleep(3600)
 
 
-os.register_at_fork(after_in_child=_hang_first_forked_child)
+os.register_at_fork(after_in_child=_hang_then_die)
 """
 
 
-def test_a_writer_stuck_after_fork_is_forked_again_and_its_checkpoint_resumes_exactly(tmp_path, corpus):
-    hook, marker = tmp_path / "hook", tmp_path / "hung-once"
+def test_a_writer_stuck_or_dead_after_fork_is_forked_again_and_its_checkpoint_resumes_exactly(
+    tmp_path, corpus
+):
+    hook, hung, died = tmp_path / "hook", tmp_path / "hung-once", tmp_path / "died-once"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HANG_FIRST_FORKED_CHILD.format(marker=str(marker)))
+    (hook / "sitecustomize.py").write_text(
+        HANG_THEN_KILL_FORKED_CHILDREN.format(hung=str(hung), died=str(died))
+    )
     train = {"steps": 4, "eval_interval": 0}
     checkpoint = {"interval": 2}
     config = write_config(tmp_path / "a.yaml", corpus, tmp_path / "a", checkpoint=checkpoint, train=train)
@@ -307,8 +314,11 @@ def test_a_writer_stuck_after_fork_is_forked_again_and_its_checkpoint_resumes_ex
     env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert marker.exists(), "no writer was forked"
+    assert hung.exists() and died.exists(), "the writer was not forked three times"
     assert "rank 0: the checkpoint writer forked for this save did not start within 10 s" in result.stdout
+    assert "rank 0: the checkpoint writer forked for this save ended (exit code 7) before it started" in (
+        result.stdout
+    )
     assert "checkpoint step 2 complete" in result.stdout and "checkpoint step 4 complete" in result.stdout
     save_dir = tmp_path / "a" / "checkpoints"
     files.verify(files.iteration_dir(save_dir, 2), checksums=True)

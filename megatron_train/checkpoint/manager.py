@@ -96,6 +96,8 @@ WRITER_NICENESS = 10
 # healthy child gets there in milliseconds; one forked while another thread held CPython's thread
 # list lock never does (below).
 WRITER_START_TIMEOUT_S = 10.0
+# How often the save looks whether a writer that has not started yet has died instead.
+WRITER_WATCH_S = 0.5
 
 
 # Looked up here, not in a forked child: loading a library there can deadlock on a lock another
@@ -144,7 +146,7 @@ def _schedule_watched(queue: AsyncCallsQueue, request) -> None:
     lock held, and gloo's worker threads take that lock whenever they free a tensor Python knows
     of (a new thread state each time), so now and then a writer hangs before it runs any Python
     and the save waits for it forever. A writer silent for WRITER_START_TIMEOUT_S is killed (it
-    has written nothing) and forked again.
+    has written nothing) and forked again, as is one that dies before it starts.
     """
     if request.async_fn is None:  # nothing for this rank to write
         queue.schedule_async_request(request)
@@ -155,17 +157,29 @@ def _schedule_watched(queue: AsyncCallsQueue, request) -> None:
     started.register(read_fd, select.POLLIN)
     try:
         queue.schedule_async_request(request._replace(async_fn=_in_writer(request.async_fn, write_fd)))
-        while not started.poll(WRITER_START_TIMEOUT_S * 1000):
+        silent_s = 0.0
+        while not started.poll(WRITER_WATCH_S * 1000):
+            silent_s += WRITER_WATCH_S
+            code = megatron_compat.last_async_call_exitcode(queue)
+            # One that started and already finished left its byte before it exited.
+            if (code is None and silent_s < WRITER_START_TIMEOUT_S) or (code is not None and started.poll(0)):
+                continue
+            why = (
+                f"did not start within {WRITER_START_TIMEOUT_S:.0f} s (a fork-time deadlock of Python "
+                "before 3.11.10)"
+                if code is None
+                else f"ended (exit code {code}) before it started"
+            )
             print(
-                f"rank {torch.distributed.get_rank()}: the checkpoint writer forked for this save did not "
-                f"start within {WRITER_START_TIMEOUT_S:.0f} s (a fork-time deadlock of Python before "
-                "3.11.10); forking it again",
+                f"rank {torch.distributed.get_rank()}: the checkpoint writer forked for this save {why}; "
+                "forking it again",
                 flush=True,
             )
             megatron_compat.fork_last_async_call_again(queue)
             # A child that reported just before it was killed leaves a byte behind.
             while started.poll(0):
                 os.read(read_fd, 64)
+            silent_s = 0.0
     finally:
         os.close(read_fd)
         os.close(write_fd)
