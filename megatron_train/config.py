@@ -1016,7 +1016,7 @@ def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
         prefixes, weights = list(blend[1::2]), [float(w) for w in blend[::2]]
     seen: dict[str, str] = {}
     for prefix in prefixes:
-        path = os.path.normpath(os.path.abspath(prefix))
+        path = os.path.abspath(prefix)  # normalised too: a/../a/x is a/x
         if path in seen:
             # Both entries shuffle the same documents with the same seed: every sample comes twice.
             first = seen[path]

@@ -75,14 +75,14 @@ def common_options(hf: dict, family: str) -> dict:
     if flag(hf, "mlp_bias"):
         refuse("mlp_bias", True, "MLP biases are not supported")
     theta, scaling = _rope(hf)
-    factor = 8.0  # ModelConfig's default, recorded as is when the model has no scaling
+    scaled = {}  # without scaling, ModelConfig's own factor stays
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type"))
         if rope_type != "llama3":
             refuse("rope_scaling", scaling, "only Llama-3.1 ('llama3') RoPE scaling is supported")
         if "factor" not in scaling:
             refuse("rope_scaling", scaling, "Llama-3.1 RoPE scaling needs its 'factor'")
-        factor = _number("rope_scaling.factor", scaling["factor"])
+        scaled["rope_scaling_factor"] = _number("rope_scaling.factor", scaling["factor"])
         for key, fixed in LLAMA3_ROPE_FIXED.items():
             if _number(f"rope_scaling.{key}", scaling.get(key, fixed)) != fixed:
                 refuse(f"rope_scaling.{key}", scaling[key], f"megatron-core fixes it at {fixed:g}")
@@ -102,7 +102,7 @@ def common_options(hf: dict, family: str) -> dict:
         "norm_eps": _number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
         "rotary_base": int(theta),
         "rope_scaling": scaling is not None,
-        "rope_scaling_factor": factor,
+        **scaled,
         "tie_embeddings": flag(hf, "tie_word_embeddings"),
     }
 

@@ -171,21 +171,21 @@ def locate(path: Path) -> Path:
     if iteration_of(path) is not None or (path / RECORD).exists():
         return path
     dirs = checkpoint_dirs(path) or checkpoint_dirs(path / SAVE_DIR_IN_RUN)
-    if not dirs and is_hf_model_dir(path):
+    if dirs:
+        return dirs[0]
+    if is_hf_model_dir(path):
         raise CheckpointError(
             f"{str(path)!r} is a Hugging Face model directory, not a megatron-train checkpoint: train "
             "from it with checkpoint.init_from, or convert it with tools/convert_checkpoint.py import-hf"
         )
-    if not dirs and (path / "config.json").is_file():
+    if (path / "config.json").is_file():
         raise CheckpointError(
             f"{str(path)!r} holds a Hugging Face config.json but no .safetensors weights, and no checkpoint"
         )
-    if not dirs:
-        raise CheckpointError(
-            f"{str(path)!r} holds no checkpoint: give a checkpoint (iter_*), the save dir holding them, "
-            f"or a run directory with a {SAVE_DIR_IN_RUN}/ folder"
-        )
-    return dirs[0]
+    raise CheckpointError(
+        f"{str(path)!r} holds no checkpoint: give a checkpoint (iter_*), the save dir holding them, "
+        f"or a run directory with a {SAVE_DIR_IN_RUN}/ folder"
+    )
 
 
 def resolve_explicit(path: Path, checksums: bool = False) -> Path:

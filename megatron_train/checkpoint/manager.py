@@ -161,9 +161,10 @@ def _schedule_watched(queue: AsyncCallsQueue, request) -> None:
         while not started.poll(WRITER_WATCH_S * 1000):
             silent_s += WRITER_WATCH_S
             code = megatron_compat.last_async_call_exitcode(queue)
-            # One that started and already finished left its byte before it exited.
-            if (code is None and silent_s < WRITER_START_TIMEOUT_S) or (code is not None and started.poll(0)):
+            if code is None and silent_s < WRITER_START_TIMEOUT_S:
                 continue
+            if code is not None and started.poll(0):
+                break  # it started, and finished, between the two polls: its byte came before its exit
             why = (
                 f"did not start within {WRITER_START_TIMEOUT_S:.0f} s (a fork-time deadlock of Python "
                 "before 3.11.10)"
