@@ -95,6 +95,15 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def _rendezvous(env: LaunchEnv) -> str:
+    """Where the ranks meet. A one-process world outside torchrun meets itself on a free local
+    port: the MASTER_ADDR / MASTER_PORT a shell exported may name another job's store or a port in
+    use. Under torchrun, even one rank must use the store torchrun keeps at those variables."""
+    if env.world_size == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return f"tcp://127.0.0.1:{_free_port()}"
+    return "env://"
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -142,15 +151,23 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     else:
         cpu_compat.enable()
         device, backend = torch.device("cpu"), "gloo"
-    if env.world_size == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(
-        backend=backend,
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=collective_timeout(),
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=_rendezvous(env),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=collective_timeout(),
+        )
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" not in str(err):
+            raise
+        raise ConfigError(
+            "MASTER_PORT",
+            f"port {os.environ.get('MASTER_PORT')} on {node_name()} is already in use (another job or run "
+            "listens on it), so rank 0 cannot open the rendezvous there",
+            "export a free MASTER_PORT before starting the job (pretrain.sbatch keeps one that is set)",
+        ) from None
     p = cfg.parallel
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor,

@@ -218,7 +218,11 @@ def _main(argv: list[str] | None) -> int:
         if env.rank == 0:
             cli.report(err)
         return EXIT_BAD_CONFIG
-    rt = runtime.initialize(cfg, env)
+    try:
+        rt = runtime.initialize(cfg, env)
+    except ConfigError as err:  # the rendezvous port, which rank 0 alone opens
+        cli.report(err)
+        return EXIT_BAD_CONFIG
     # A rank that a native crash kills (a communication library's segfault, say) prints where each
     # of its threads was, where it would otherwise leave only its exit signal and the peers' errors.
     faulthandler.enable()

@@ -175,6 +175,17 @@ def _small_data(docs: int, tokens: int) -> Callable[[Path, str], None]:
     return setup
 
 
+_HELD: list[socket.socket] = []
+
+
+def _master_port_taken(ws: Path, case_id: str) -> None:
+    """Another job's listener on the job's MASTER_PORT, open until the tests end."""
+    sock = socket.socket()
+    sock.bind(("", int(os.environ["MASTER_PORT"])))
+    sock.listen()
+    _HELD.append(sock)
+
+
 def _data_tokenized_again(ws: Path, case_id: str) -> None:
     """A cache whose indices were built from the corpus, and another dataset now at its prefix."""
     _small_data(400, 70)(ws, case_id)
@@ -556,6 +567,14 @@ CASES = [
     Case("launch-world-not-a-count", "train", _train(FRESH), "'WORLD_SIZE'", env={"WORLD_SIZE": "x"}),
     # torch's rendezvous met these with a traceback (a port) or retried for minutes (an address)
     Case("launch-port-out-of-range", "train", _train(FRESH), "'MASTER_PORT'", env={"MASTER_PORT": "99999"}),
+    Case(
+        "launch-port-in-use",
+        "train",
+        _train(FRESH),
+        "already in use",
+        _master_port_taken,
+        env={"WORLD_SIZE": "2"},
+    ),
     Case(
         "launch-address-does-not-resolve",
         "train",
