@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -20,17 +22,40 @@ def report(err: BaseException | str) -> None:
     print("error: " + " ".join(str(err).split()), file=sys.stderr, flush=True)
 
 
+OTHER_RANK_REPORT_DELAY_S = 10.0
+"""How long a rank other than 0 waits before it reports a bad input itself (:func:`report_once`)."""
+
+
+def launcher_rank() -> str:
+    """The rank the launcher (torchrun, srun, or none) gave this process, read before any process
+    group exists."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
 def first_rank() -> bool:
-    """Whether the launcher (torchrun, srun, or none) made this process rank 0, read before any
-    process group exists."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    """Whether the launcher made this process rank 0."""
+    return launcher_rank() == "0"
+
+
+def node_name() -> str:
+    """The node this process runs on: Slurm's name for it, else the host name (Slurm may run
+    several named nodes on one host)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def report_once(err: BaseException | str) -> None:
-    """:func:`report` from the first rank only: under torchrun or srun every rank meets the same
-    bad input, and the user should read it once."""
+    """:func:`report` once per job: under torchrun or srun every rank meets the same bad input.
+
+    Rank 0 reports at once. Another rank waits first: a launcher ends every rank as soon as one
+    exits, so a rank that exited first could have rank 0 ended before it printed, and the job
+    would end without a line. Rank 0's exit ends the waiting rank; a problem rank 0 did not meet
+    (a path this rank's node lacks, say) is reported by this rank after the wait, naming itself.
+    """
     if first_rank():
         report(err)
+        return
+    time.sleep(OTHER_RANK_REPORT_DELAY_S)
+    report(f"rank {launcher_rank()} on {node_name()}: {err}")
 
 
 class ArgumentParser(argparse.ArgumentParser):

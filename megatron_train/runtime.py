@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_train import cpu_compat
+from megatron_train import cli, cpu_compat
 from megatron_train.config import ExperimentConfig
 from megatron_train.errors import ConfigError
 
@@ -89,12 +89,6 @@ def check_rendezvous(env: dict[str, str]) -> None:
     collective_timeout()
 
 
-def node_name() -> str:
-    """The node this process runs on: Slurm's name for it, else the host name (Slurm may run
-    several named nodes on one host)."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def _rendezvous(env: LaunchEnv) -> str:
     """Where the ranks meet. A one-process world outside torchrun meets itself on a free local
     port: the MASTER_ADDR / MASTER_PORT a shell exported may name another job's store or a port in
@@ -164,8 +158,8 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
             raise
         raise ConfigError(
             "MASTER_PORT",
-            f"port {os.environ.get('MASTER_PORT')} on {node_name()} is already in use (another job or run "
-            "listens on it), so rank 0 cannot open the rendezvous there",
+            f"port {os.environ.get('MASTER_PORT')} on {cli.node_name()} is already in use (another job or "
+            "run listens on it), so rank 0 cannot open the rendezvous there",
             "export a free MASTER_PORT before starting the job (pretrain.sbatch keeps one that is set)",
         ) from None
     p = cfg.parallel

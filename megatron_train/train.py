@@ -215,8 +215,7 @@ def _main(argv: list[str] | None) -> int:
         cfg = resolve(args.config, args.overrides, env.world_size)
         check_fits_this_node(cfg, env.world_size, env.local_rank, env.local_world_size)
     except BAD_INPUT as err:
-        if env.rank == 0:
-            cli.report(err)
+        cli.report_once(err)
         return EXIT_BAD_CONFIG
     try:
         rt = runtime.initialize(cfg, env)
@@ -229,8 +228,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         run_dir, exit_code = train(cfg, rt)
     except BAD_INPUT as err:  # a bad checkpoint or Hugging Face directory to start from
-        if rt.is_main:
-            cli.report(err)
+        cli.report_once(err)
         return EXIT_BAD_CONFIG
     except TrainingDiverged as err:
         print(f"error on rank {rt.rank}: {err}", file=sys.stderr)

@@ -200,6 +200,38 @@ def test_a_rank_killed_by_a_native_crash_prints_where_its_threads_were(tmp_path,
     assert "Fatal Python error: Segmentation fault" in err and "megatron_train/train.py" in err, err[-3000:]
 
 
+# Through sitecustomize in each rank: rank 0 starts late (as on a slow node), or rank 1 alone is
+# given a dataset that does not exist (as a path its node lacks).
+LATE_RANK_ZERO = "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(5)\n"
+RANK_ONE_ALONE = (
+    "import os, sys\nif os.environ.get('RANK') == '1':\n    sys.argv.append('data.blend=[/rank1/data]')\n"
+)
+
+
+@pytest.mark.parametrize("hook_code", [LATE_RANK_ZERO, RANK_ONE_ALONE], ids=["rank-0-late", "rank-1-alone"])
+def test_a_bad_config_on_two_ranks_is_reported_once_whichever_rank_ends_first(tmp_path, corpus, hook_code):
+    """A launcher ends every rank once one exits: rank 1 exiting first used to end rank 0 before
+    it printed, and the job ended with exit 2 and no line; a problem of rank 1 alone had no line
+    either."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(hook_code)
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    bad = ["parallel.tensor=3"] if hook_code is LATE_RANK_ZERO else []
+    cmd = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2",
+           "-m", "megatron_train.train", "--config", str(config), *bad]  # fmt: skip
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr[-3000:]
+    if hook_code is LATE_RANK_ZERO:
+        assert lines[0].startswith("error: config error at 'parallel.tensor'"), lines
+    else:
+        assert lines[0].startswith("error: rank 1 on "), lines
+        assert "'data.blend': /rank1/data.bin does not exist" in lines[0], lines
+
+
 def test_the_local_launcher_ends_with_the_ranks_own_exit_code(tmp_path, corpus):
     """launch/local.sh: a bad config on two ranks is their one error line and exit 2, not
     torchrun's traceback and exit 1; a run stopped after its save exits 3."""
