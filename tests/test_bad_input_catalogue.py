@@ -644,7 +644,12 @@ CASES = [
         _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "train.steps=3"),
         "already at step 4",
     ),
-    Case("load-missing", "train", _train(FRESH, "checkpoint.load=WS/nothing"), "does not exist"),
+    Case(
+        "load-missing",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/nothing"),
+        "does not exist: give a checkpoint",
+    ),
     Case(
         "load-torn",
         "train",
@@ -1039,7 +1044,7 @@ CASES = [
         _copy_ckpt(_same_size_garbage("common.pt")),
     ),
     # generate
-    Case("generate-missing", "generate", _args("--ckpt", "WS/nothing"), "does not exist"),
+    Case("generate-missing", "generate", _args("--ckpt", "WS/nothing"), "does not exist: give a checkpoint"),
     # A Latin-1 terminal: the byte 0xe9 reaches Python as the surrogate escape U+DCE9.
     Case(
         "generate-prompt-not-utf8",
@@ -1132,7 +1137,7 @@ CASES = [
         "--tokenizer",
     ),
     # inspect (exit 2: no checkpoint; 1: torn or corrupt, reported on stdout)
-    Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist"),
+    Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist: give a checkpoint"),
     Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "holds no checkpoint"),
     # a Hugging Face model where a checkpoint is expected: say what it is and how to use it
     Case(

@@ -161,13 +161,19 @@ def find_latest_complete(save_dir: Path, checksums: bool = False) -> ResumePoint
     return ResumePoint(None, skipped)
 
 
+_WANTED = (
+    "give a checkpoint (iter_*), the save dir holding them, or a run directory with a "
+    f"{SAVE_DIR_IN_RUN}/ folder"
+)
+
+
 def locate(path: Path) -> Path:
     """The checkpoint ``path`` names: itself when it is one (``iter_*`` or holding a record),
     otherwise the newest ``iter_*`` in it (a save dir) or in its ``checkpoints/`` (a run
     directory saving where it does by default), complete or not."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{str(path)!r} does not exist")
+        raise CheckpointError(f"{str(path)!r} does not exist: {_WANTED}")
     if iteration_of(path) is not None or (path / RECORD).exists():
         return path
     dirs = checkpoint_dirs(path) or checkpoint_dirs(path / SAVE_DIR_IN_RUN)
@@ -182,10 +188,7 @@ def locate(path: Path) -> Path:
         raise CheckpointError(
             f"{str(path)!r} holds a Hugging Face config.json but no .safetensors weights, and no checkpoint"
         )
-    raise CheckpointError(
-        f"{str(path)!r} holds no checkpoint: give a checkpoint (iter_*), the save dir holding them, "
-        f"or a run directory with a {SAVE_DIR_IN_RUN}/ folder"
-    )
+    raise CheckpointError(f"{str(path)!r} holds no checkpoint: {_WANTED}")
 
 
 def resolve_explicit(path: Path, checksums: bool = False) -> Path:
