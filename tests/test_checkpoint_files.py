@@ -91,10 +91,18 @@ def test_explicit_paths_must_be_complete(tmp_path):
     good = make_checkpoint(tmp_path, 10)
     assert files.resolve_explicit(good) == good
     assert files.resolve_explicit(tmp_path) == good
-    make_checkpoint(tmp_path, 20, complete=False)
-    with pytest.raises(CheckpointError, match="torn"):
-        files.resolve_explicit(tmp_path)
-    with pytest.raises(CheckpointError, match="does not exist"):
+    torn = make_checkpoint(tmp_path, 20, complete=False)
+    for asked in (tmp_path, torn):
+        with pytest.raises(CheckpointError, match="torn") as err:
+            files.resolve_explicit(asked)
+        assert str(err.value).endswith(
+            f"give a complete checkpoint instead (the newest complete one beside it is {good})"
+        )
+    (tmp_path / "alone").mkdir()
+    torn.rename(tmp_path / "alone" / torn.name)
+    with pytest.raises(CheckpointError, match="torn checkpoint[)]; give a complete checkpoint instead$"):
+        files.resolve_explicit(tmp_path / "alone")
+    with pytest.raises(CheckpointError, match="does not exist: give a checkpoint"):
         files.resolve_explicit(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="holds no checkpoint: give a checkpoint"):

@@ -193,9 +193,15 @@ def locate(path: Path) -> Path:
 
 def resolve_explicit(path: Path, checksums: bool = False) -> Path:
     """An explicitly requested checkpoint, which must be complete: an ``iter_*`` dir, or a save dir
-    whose newest checkpoint is. Anything else is a CheckpointError (never a silent fresh start)."""
+    whose newest checkpoint is. Anything else is a CheckpointError (never a silent fresh start),
+    naming the newest complete checkpoint beside a torn one."""
     found = locate(path)
-    verify(found, checksums)
+    try:
+        verify(found, checksums)
+    except CheckpointError as err:
+        older = find_latest_complete(found.parent, checksums).path
+        beside = f" (the newest complete one beside it is {older})" if older else ""
+        raise CheckpointError(f"{err}; give a complete checkpoint instead{beside}") from None
     return found
 
 
