@@ -139,6 +139,24 @@ def _copy_ckpt(damage: Callable[[Path], None] | None = None) -> Callable[[Path, 
     return setup
 
 
+def _run_with_ckpt(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
+    """A run directory of the case's own whose one checkpoint ``damage`` changes."""
+
+    def setup(ws: Path, case_id: str) -> None:
+        dst = _case(ws, case_id) / "run" / "checkpoints" / "iter_0000004"
+        shutil.copytree(ws / CKPT, dst)
+        damage(dst)
+
+    return setup
+
+
+def _without_checksums(ckpt: Path) -> None:
+    record = json.loads((ckpt / "complete.json").read_text())
+    for entry in record["files"].values():
+        entry.pop("sha256")
+    (ckpt / "complete.json").write_text(json.dumps(record))
+
+
 def _same_size_garbage(name: str) -> Callable[[Path], None]:
     def damage(ckpt: Path) -> None:
         size = (ckpt / name).stat().st_size
@@ -604,6 +622,27 @@ CASES = [
         "output_layer",
     ),
     Case("fresh-start-over-saved-run", "train", _train("checkpoint.load=none"), "would not continue"),
+    # resumed with checksums asked of a run saved without: it resumed from nothing, over its saves
+    Case(
+        "resume-verifying-checksums-saved-without",
+        "train",
+        _train(
+            "logging.run_dir=WS/cases/resume-verifying-checksums-saved-without/run",
+            "checkpoint.verify_checksums=true",
+            "train.steps=6",
+        ),
+        "'checkpoint.verify_checksums'",
+        _run_with_ckpt(_without_checksums),
+    ),
+    # a checkpoint damaged after it was complete (a file gone), and no other: a fresh start
+    # overwrote it
+    Case(
+        "resume-only-a-damaged-checkpoint",
+        "train",
+        _train("logging.run_dir=WS/cases/resume-only-a-damaged-checkpoint/run", "train.steps=6"),
+        "iter_0000004 was complete when it was saved",
+        _run_with_ckpt(lambda c: (c / "common.pt").unlink()),
+    ),
     Case(
         "resume-another-run-over-saved-run",
         "train",
@@ -1139,6 +1178,13 @@ CASES = [
     # inspect (exit 2: no checkpoint; 1: torn or corrupt, reported on stdout)
     Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist: give a checkpoint"),
     Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "holds no checkpoint"),
+    Case(
+        "inspect-checksums-of-a-save-without",
+        "inspect",
+        _args("WS/cases/inspect-checksums-of-a-save-without/run", "--verify-checksums"),
+        "without --verify-checksums",
+        _run_with_ckpt(_without_checksums),
+    ),
     # a Hugging Face model where a checkpoint is expected: say what it is and how to use it
     Case(
         "load-a-hugging-face-model",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.safe_load import UnsafeCheckpointError, safe_unpickling
+from megatron_train.errors import ConfigError
 from tests.conftest import ROOT, torchrun_env
 
 
@@ -74,6 +76,27 @@ def test_auto_resume_skips_a_torn_latest(tmp_path):
     assert point.path == files.iteration_dir(tmp_path, 10)
     assert [p.name for p, _ in point.skipped] == ["iter_0000030", "iter_0000020"]
     assert files.find_latest_complete(tmp_path / "missing").path is None
+
+
+def test_auto_resume_starts_fresh_only_over_saves_that_never_finished(tmp_path):
+    """A checkpoint with its record was complete once: damaged since, it may be restored, and a
+    fresh start would write over it; one saved without checksums is complete, not torn."""
+    make_checkpoint(tmp_path, 10, complete=False)
+    assert files.resolve_load("auto", tmp_path).notes[-1].endswith("starting fresh")
+    damaged = make_checkpoint(tmp_path, 20)
+    (damaged / "common.pt").unlink()
+    with pytest.raises(ConfigError, match="iter_0000020 was complete when it was saved") as err:
+        files.resolve_load("auto", tmp_path)
+    assert err.value.key == "checkpoint.load"
+    shutil.rmtree(damaged)
+    make_checkpoint(tmp_path, 30)
+    without = make_checkpoint(tmp_path, 40)
+    files.write_completion_record(without, 40, checksums=False, extra={})
+    assert files.resolve_load("auto", tmp_path).path == without
+    for load in ("auto", str(without)):
+        with pytest.raises(ConfigError, match="iter_0000040 was saved without checksums") as err:
+            files.resolve_load(load, tmp_path, checksums=True)
+        assert err.value.key == "checkpoint.verify_checksums"
 
 
 @pytest.mark.parametrize("tracker", ["garbage\n", "99\n", "", "-1"])

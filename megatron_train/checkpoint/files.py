@@ -27,6 +27,10 @@ _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _HASH_CHUNK = 16 * 2**20
 
 
+class ChecksumsAbsent(CheckpointError):
+    """Checksums asked of a checkpoint saved without them: it is complete, not torn."""
+
+
 def iteration_dir(save_dir: Path, iteration: int) -> Path:
     """``<save_dir>/iter_0000100`` for iteration 100."""
     return Path(save_dir) / f"iter_{iteration:07d}"
@@ -125,7 +129,10 @@ def verify(ckpt_dir: Path, checksums: bool = False) -> dict:
             )
         if checksums:
             if "sha256" not in entry:
-                raise CheckpointError(f"{ckpt_dir}: {RECORD} has no checksums to verify (saved without them)")
+                raise ChecksumsAbsent(
+                    f"{ckpt_dir} was saved without checksums (checkpoint.checksums=false): its {RECORD} has "
+                    "none to verify"
+                )
             if sha256_of(path) != entry["sha256"]:
                 raise CheckpointError(f"{ckpt_dir}: file {name} fails its SHA-256 check (corrupted)")
     return record
@@ -154,6 +161,8 @@ def find_latest_complete(save_dir: Path, checksums: bool = False) -> ResumePoint
     for path in checkpoint_dirs(save_dir):
         try:
             verify(path, checksums)
+        except ChecksumsAbsent:
+            raise
         except CheckpointError as err:
             skipped.append((path, str(err)))
             continue
@@ -198,6 +207,8 @@ def resolve_explicit(path: Path, checksums: bool = False) -> Path:
     found = locate(path)
     try:
         verify(found, checksums)
+    except ChecksumsAbsent:
+        raise
     except CheckpointError as err:
         older = find_latest_complete(found.parent, checksums).path
         beside = f" (the newest complete one beside it is {older})" if older else ""
@@ -217,10 +228,22 @@ def resolve_load(load: str, save_dir: Path, checksums: bool = False, finetune: b
     """Apply ``checkpoint.load``: ``none``, ``auto`` (newest complete checkpoint in ``save_dir``,
     torn newer ones reported) or an explicit path (must be complete, else CheckpointError). A
     start that would not continue the checkpoints ``save_dir`` already holds is a ConfigError."""
+    try:
+        return _resolve_load(load, save_dir, checksums, finetune)
+    except ChecksumsAbsent as err:
+        raise ConfigError(
+            "checkpoint.verify_checksums",
+            str(err),
+            "set checkpoint.verify_checksums=false to load it (the sizes of its files are still checked)",
+        ) from None
+
+
+def _resolve_load(load: str, save_dir: Path, checksums: bool, finetune: bool) -> LoadDecision:
     if load == "auto":  # continues save_dir by definition (the config refuses it with finetune)
         point = find_latest_complete(save_dir, checksums)
         notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
         if point.path is None:
+            _refuse_to_start_over_damaged(point.skipped)
             notes.append(f"no complete checkpoint in {save_dir}: starting fresh")
         return LoadDecision(point.path, notes)
     start = None if load == "none" else resolve_explicit(Path(load), checksums)
@@ -228,6 +251,22 @@ def resolve_load(load: str, save_dir: Path, checksums: bool = False, finetune: b
     if start is None:
         return LoadDecision(None, ["checkpoint.load=none: starting from freshly initialised weights"])
     return LoadDecision(start, [])
+
+
+def _refuse_to_start_over_damaged(skipped: list[tuple[Path, str]]) -> None:
+    """A save cut short leaves no record, and starting fresh over it loses nothing. A checkpoint
+    that has its record was complete once: damaged since (a file gone, a file system that has
+    not caught up), it may be restored, and a fresh start would overwrite it and rotate it away."""
+    damaged = [(path, why) for path, why in skipped if (path / RECORD).exists()]
+    if damaged:
+        path, why = damaged[0]
+        raise ConfigError(
+            "checkpoint.load",
+            f"no checkpoint in {path.parent} verifies, and {path.name} was complete when it was saved "
+            f"({why})",
+            "restore its files (tools/inspect_checkpoint.py names what is wrong), or set "
+            "checkpoint.load=none to start afresh over it",
+        )
 
 
 def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool) -> None:
