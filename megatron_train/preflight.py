@@ -35,6 +35,8 @@ def check_resume(cfg: ExperimentConfig) -> str:
         return f"starts from checkpoint.init_from={cfg.checkpoint.init_from}"
     if decision.path is None:
         return "starts fresh (" + "; ".join(decision.notes) + ")"
+    if cfg.checkpoint.verify_checksums:  # the checksums themselves are left to the job
+        files.check_checksums_recorded(decision.path, files.read_record(decision.path))
     common = read_common(decision.path)
     iteration = files.iteration_of(decision.path)
     if iteration is not None and not cfg.checkpoint.finetune:

@@ -634,6 +634,21 @@ CASES = [
         "'checkpoint.verify_checksums'",
         _run_with_ckpt(_without_checksums),
     ),
+    Case(
+        "preflight-verifying-checksums-saved-without",
+        "preflight",
+        _args(
+            "--config",
+            "WS/cfg.yaml",
+            "--gpus-per-node",
+            "1",
+            "logging.run_dir=WS/cases/preflight-verifying-checksums-saved-without/run",
+            "checkpoint.verify_checksums=true",
+            "train.steps=6",
+        ),
+        "'checkpoint.verify_checksums'",
+        _run_with_ckpt(_without_checksums),
+    ),
     # a checkpoint damaged after it was complete (a file gone), and no other: a fresh start
     # overwrote it
     Case(

@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         record = files.verify(path, checksums=args.verify_checksums)
         description = _describe_common(path) + ([] if args.no_tensors else _describe_tensors(path))
     except files.ChecksumsAbsent as err:
-        cli.report(f"{err}. Fix: inspect it without --verify-checksums (the sizes of its files are checked)")
+        cli.report(
+            f"{err.problem}. Fix: inspect it without --verify-checksums (the sizes of its files are checked)"
+        )
         return cli.EXIT_BAD_INPUT
     except CheckpointError as err:
         print(f"status:      INCOMPLETE OR CORRUPTED: {err}")

@@ -27,8 +27,16 @@ _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _HASH_CHUNK = 16 * 2**20
 
 
-class ChecksumsAbsent(CheckpointError):
+class ChecksumsAbsent(ConfigError):
     """Checksums asked of a checkpoint saved without them: it is complete, not torn."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        super().__init__(
+            "checkpoint.verify_checksums",
+            f"{ckpt_dir} was saved without checksums (checkpoint.checksums=false): its {RECORD} has none "
+            "to verify",
+            "set checkpoint.verify_checksums=false to load it (the sizes of its files are still checked)",
+        )
 
 
 def iteration_dir(save_dir: Path, iteration: int) -> Path:
@@ -117,6 +125,8 @@ def verify(ckpt_dir: Path, checksums: bool = False) -> dict:
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{ckpt_dir} does not exist or is not a directory")
     record = read_record(ckpt_dir)
+    if checksums:
+        check_checksums_recorded(ckpt_dir, record)
     for name, entry in record["files"].items():
         path = ckpt_dir / name
         if not path.is_file():
@@ -128,14 +138,15 @@ def verify(ckpt_dir: Path, checksums: bool = False) -> dict:
                 "(truncated or altered)"
             )
         if checksums:
-            if "sha256" not in entry:
-                raise ChecksumsAbsent(
-                    f"{ckpt_dir} was saved without checksums (checkpoint.checksums=false): its {RECORD} has "
-                    "none to verify"
-                )
             if sha256_of(path) != entry["sha256"]:
                 raise CheckpointError(f"{ckpt_dir}: file {name} fails its SHA-256 check (corrupted)")
     return record
+
+
+def check_checksums_recorded(ckpt_dir: Path, record: dict) -> None:
+    """ChecksumsAbsent unless ``record`` holds a checksum for every file (nothing is read)."""
+    if any("sha256" not in entry for entry in record["files"].values()):
+        raise ChecksumsAbsent(ckpt_dir)
 
 
 def checkpoint_dirs(save_dir: Path) -> list[Path]:
@@ -161,8 +172,6 @@ def find_latest_complete(save_dir: Path, checksums: bool = False) -> ResumePoint
     for path in checkpoint_dirs(save_dir):
         try:
             verify(path, checksums)
-        except ChecksumsAbsent:
-            raise
         except CheckpointError as err:
             skipped.append((path, str(err)))
             continue
@@ -207,8 +216,6 @@ def resolve_explicit(path: Path, checksums: bool = False) -> Path:
     found = locate(path)
     try:
         verify(found, checksums)
-    except ChecksumsAbsent:
-        raise
     except CheckpointError as err:
         older = find_latest_complete(found.parent, checksums).path
         beside = f" (the newest complete one beside it is {older})" if older else ""
@@ -228,17 +235,6 @@ def resolve_load(load: str, save_dir: Path, checksums: bool = False, finetune: b
     """Apply ``checkpoint.load``: ``none``, ``auto`` (newest complete checkpoint in ``save_dir``,
     torn newer ones reported) or an explicit path (must be complete, else CheckpointError). A
     start that would not continue the checkpoints ``save_dir`` already holds is a ConfigError."""
-    try:
-        return _resolve_load(load, save_dir, checksums, finetune)
-    except ChecksumsAbsent as err:
-        raise ConfigError(
-            "checkpoint.verify_checksums",
-            str(err),
-            "set checkpoint.verify_checksums=false to load it (the sizes of its files are still checked)",
-        ) from None
-
-
-def _resolve_load(load: str, save_dir: Path, checksums: bool, finetune: bool) -> LoadDecision:
     if load == "auto":  # continues save_dir by definition (the config refuses it with finetune)
         point = find_latest_complete(save_dir, checksums)
         notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
