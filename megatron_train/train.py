@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from megatron_train import cli, data_cache, run_lock, runtime
+from megatron_train import cli, data_cache, run_lock, runtime, shared_folders
 from megatron_train.checkpoint.manager import SaveFailed
 from megatron_train.config import (
     ConfigError,
@@ -116,6 +116,12 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
             )
     elif start_from is not None:
         warm_start.load(start_from, cfg, model, optimizer, log.info)
+    cache_dir = data_cache_dir(cfg)
+    if rt.world_size > 1:
+        # Each folder named by the option that placed it: both are in the run directory by default.
+        save_key = "checkpoint.save_dir" if cfg.checkpoint.save_dir else "logging.run_dir"
+        cache_key = "data.cache_dir" if cfg.data.cache_dir else "logging.run_dir"
+        shared_folders.check_shared([(save_key, checkpoint_dir(cfg)), (cache_key, cache_dir)], rt.rank)
     # Only now, with every input checked, does the run directory change.
     _hold_run_folders(cfg, rt, log, create=True)
     log.open(progress.iteration)
@@ -136,7 +142,6 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
 
     started = time.perf_counter()
     indices = IndexProgress(index_count(cfg), log.info)
-    cache_dir = data_cache_dir(cfg)
     with (
         data_cache.building(cache_dir, log.info) if rt.is_main else contextlib.nullcontext(),
         runtime.patient_collectives(cfg.data.build_timeout_minutes),

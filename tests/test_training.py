@@ -232,6 +232,49 @@ def test_a_bad_config_on_two_ranks_is_reported_once_whichever_rank_ends_first(tm
         assert "'data.blend': /rank1/data.bin does not exist" in lines[0], lines
 
 
+# Through sitecustomize, before any thread starts: the two ranks say they run on two nodes, and
+# with {private} rank 1 sees a tmpfs of its own where {folder} is, as a node-local disk would be.
+TWO_NODES = """
+import ctypes, os
+rank = os.environ.get("RANK")
+os.environ["SLURMD_NODENAME"] = "node-b" if rank == "1" else "node-a"
+if rank == "1" and {private}:
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.unshare(0x20000) == 0, os.strerror(ctypes.get_errno())  # a mount namespace
+    assert libc.mount(b"none", b"/", None, 0x44000, None) == 0  # MS_REC | MS_PRIVATE
+    assert libc.mount(b"tmpfs", {folder!r}.encode(), b"tmpfs", 0, None) == 0
+    import megatron_train.shared_folders as shared
+    shared._PATIENCE_S = 1.0
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a node-local folder for one rank needs root")
+@pytest.mark.parametrize("private", [False, True], ids=["shared", "node-local"])
+def test_a_run_folder_that_is_not_shared_between_nodes_is_refused_at_start(tmp_path, corpus, private):
+    """A run directory on a disk of each node's own: the other node's ranks would find none of
+    the data indices rank 0 builds there, and each checkpoint would hold one node's shards."""
+    hook, scratch = tmp_path / "hook", tmp_path / "scratch"
+    hook.mkdir()
+    scratch.mkdir()
+    (hook / "sitecustomize.py").write_text(TWO_NODES.format(private=private, folder=str(scratch)))
+    config = write_config(tmp_path / "cfg.yaml", corpus, scratch / "run", train={"steps": 3})
+    cmd = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2",
+           "-m", "megatron_train.train", "--config", str(config)]  # fmt: skip
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if not private:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert not list(scratch.glob("**/.shared-check-*"))
+        return
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [
+        f"error: config error at 'logging.run_dir': {scratch}/run/checkpoints is not on one file system "
+        f"for every node: rank 1 on node-b does not see the file rank 0 on node-a wrote in {scratch} (is it "
+        "local to each node?). Fix: point it at a file system every node mounts"
+    ]
+    assert list(scratch.iterdir()) == []  # no run folder made, no probe left
+
+
 def test_the_local_launcher_ends_with_the_ranks_own_exit_code(tmp_path, corpus):
     """launch/local.sh: a bad config on two ranks is their one error line and exit 2, not
     torchrun's traceback and exit 1; a run stopped after its save exits 3."""
