@@ -275,6 +275,11 @@ def _args(*args: str) -> Callable[[Path], list[str]]:
     return lambda ws: [a.replace("WS/", f"{ws}/") for a in args]
 
 
+def _preflight(*overrides: str) -> Callable[[Path], list[str]]:
+    """The preflight of the workspace's config for one GPU."""
+    return _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", *overrides)
+
+
 FRESH = "logging.run_dir=WS/cases/fresh_run"  # a run that must not be created by a failed start
 
 CASES = [
@@ -566,7 +571,7 @@ CASES = [
     Case(
         "blend-with-a-shell-variable",
         "preflight",
-        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "data.blend=[$SCRATCH/corpus]"),
+        _preflight("data.blend=[$SCRATCH/corpus]"),
         "which no shell expands in a config",
     ),
     # a dataset tokenized again under the prefix a cache indexed: its indices name old documents
@@ -637,14 +642,10 @@ CASES = [
     Case(
         "preflight-verifying-checksums-saved-without",
         "preflight",
-        _args(
-            "--config",
-            "WS/cfg.yaml",
-            "--gpus-per-node",
-            "1",
-            "logging.run_dir=WS/cases/preflight-verifying-checksums-saved-without/run",
+        _preflight(
             "checkpoint.verify_checksums=true",
             "train.steps=6",
+            "logging.run_dir=WS/cases/preflight-verifying-checksums-saved-without/run",
         ),
         "'checkpoint.verify_checksums'",
         _run_with_ckpt(_without_checksums),
@@ -674,7 +675,7 @@ CASES = [
     Case(
         "preflight-fresh-start-over-saved-run",
         "preflight",
-        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "checkpoint.load=none"),
+        _preflight("checkpoint.load=none"),
         "would not continue",
     ),
     Case(
@@ -686,16 +687,14 @@ CASES = [
     Case(
         "preflight-resume-with-the-other-optimizer",
         "preflight",
-        _args(
-            "--config", "WS/cfg.yaml", "--gpus-per-node", "1", "optimizer.distributed=false", "train.steps=6"
-        ),
+        _preflight("optimizer.distributed=false", "train.steps=6"),
         "optimizer.distributed=true",
     ),
     Case("steps-below-the-checkpoint", "train", _train("train.steps=3"), "already at step 4"),
     Case(
         "preflight-steps-below-the-checkpoint",
         "preflight",
-        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "train.steps=3"),
+        _preflight("train.steps=3"),
         "already at step 4",
     ),
     Case(
@@ -823,7 +822,7 @@ CASES = [
     Case(
         "preflight-resume-other-model",
         "preflight",
-        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "model.num_layers=2"),
+        _preflight("model.num_layers=2"),
         "'model.num_layers'",
     ),
     Case(
@@ -843,7 +842,7 @@ CASES = [
     Case(
         "preflight-over-memory",
         "preflight",
-        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--gpu-memory-gib", "0.001"),
+        _preflight("--gpu-memory-gib", "0.001"),
         "estimate",
     ),
     # submit
@@ -883,7 +882,7 @@ CASES = [
     Case(
         "submit-preflight-fails",
         "submit",
-        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", "--dry-run", "parallel.tensor=3"),
+        _preflight("--dry-run", "parallel.tensor=3"),
         "'parallel.tensor'",
     ),
     # pretrain.sbatch mounts only into a container: without an image the mounts were ignored
@@ -911,7 +910,7 @@ CASES = [
     Case(
         "submit-without-sbatch",
         "submit",
-        _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1"),
+        _preflight(),
         "sbatch is not on PATH",
         env={"PATH": str(Path(sys.executable).parent)},
     ),
