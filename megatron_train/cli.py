@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import NoReturn
 
 from megatron_train.errors import BAD_INPUT, out_of_room
+from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 
@@ -26,21 +25,9 @@ OTHER_RANK_REPORT_DELAY_S = 10.0
 """How long a rank other than 0 waits before it reports a bad input itself (:func:`report_once`)."""
 
 
-def launcher_rank() -> str:
-    """The rank the launcher (torchrun, srun, or none) gave this process, read before any process
-    group exists."""
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-
-
 def first_rank() -> bool:
-    """Whether the launcher made this process rank 0."""
+    """Whether the launcher (torchrun, srun, or none) made this process rank 0."""
     return launcher_rank() == "0"
-
-
-def node_name() -> str:
-    """The node this process runs on: Slurm's name for it, else the host name (Slurm may run
-    several named nodes on one host)."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def report_once(err: BaseException | str) -> None:

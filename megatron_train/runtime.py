@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_train import cli, cpu_compat
+from megatron_train import cpu_compat, placement
 from megatron_train.config import ExperimentConfig
 from megatron_train.errors import ConfigError
 
@@ -158,8 +158,8 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
             raise
         raise ConfigError(
             "MASTER_PORT",
-            f"port {os.environ.get('MASTER_PORT')} on {cli.node_name()} is already in use (another job or "
-            "run listens on it), so rank 0 cannot open the rendezvous there",
+            f"port {os.environ.get('MASTER_PORT')} on {placement.node_name()} is already in use (another "
+            "job or run listens on it), so rank 0 cannot open the rendezvous there",
             "export a free MASTER_PORT before starting the job (pretrain.sbatch keeps one that is set)",
         ) from None
     p = cfg.parallel

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_train import cli
+from megatron_train import placement
 from megatron_train.errors import ConfigError
 
 # A network file system may show a new file to the other nodes only once their cached view of
@@ -50,7 +50,7 @@ def check_shared(folders: list[tuple[str, Path]], rank: int) -> None:
     see a file rank 0 wrote where one of ``folders`` is (each with the config key that placed it).
     A run on one node is not checked (one node sees its own files)."""
     nodes: list = [None] * dist.get_world_size()
-    dist.all_gather_object(nodes, cli.node_name())
+    dist.all_gather_object(nodes, placement.node_name())
     if len(set(nodes)) == 1:
         return
     # Rank 0 writes into each folder, or the nearest folder above it that exists yet (on the same

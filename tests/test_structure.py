@@ -23,11 +23,11 @@ from tests.conftest import ROOT
 LAYERS = [
     ["errors", "config", "megatron_compat", "cpu_compat", "tokenizer", "text_sources", "sentencepiece_cuts",
      "text_encoding", "token_writer", "checkpoint.files", "checkpoint.safe_load", "hf.model_dir",
-     "hf.safetensors_io", "outputs", "run_lock", "eager_fusions", "data_cache"],
+     "hf.safetensors_io", "outputs", "run_lock", "eager_fusions", "data_cache", "placement"],
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory", "moe_stats"],
-    ["data", "batch", "step", "metrics", "stopping", "evaluation"],
+    ["data", "batch", "step", "metrics", "stopping", "evaluation", "shared_folders"],
     ["checkpoint.state", "checkpoint.policy", "checkpoint.streaming_save", "checkpoint.manager"],
     ["hf.convert", "inference", "warm_start"],
     ["train", "preflight", "cli", "torchrun"],

@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_train import cli, errors, megatron_compat
+from megatron_train import errors, megatron_compat, placement
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.policy import SavePolicy
@@ -234,7 +234,7 @@ def reads_in_parallel(option: bool | str, group: torch.distributed.ProcessGroup)
     if option != "auto" or group.size() == 1:
         return option is True and group.size() > 1
     nodes = [None] * group.size()
-    torch.distributed.all_gather_object(nodes, cli.node_name(), group=group)
+    torch.distributed.all_gather_object(nodes, placement.node_name(), group=group)
     return len(set(nodes)) > 1
 
 
