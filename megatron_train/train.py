@@ -117,11 +117,10 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     elif start_from is not None:
         warm_start.load(start_from, cfg, model, optimizer, log.info)
     cache_dir = data_cache_dir(cfg)
-    if rt.world_size > 1:
-        # Each folder named by the option that placed it: both are in the run directory by default.
-        save_key = "checkpoint.save_dir" if cfg.checkpoint.save_dir else "logging.run_dir"
-        cache_key = "data.cache_dir" if cfg.data.cache_dir else "logging.run_dir"
-        shared_folders.check_shared([(save_key, checkpoint_dir(cfg)), (cache_key, cache_dir)], rt.rank)
+    # Each folder named by the option that placed it: both are in the run directory by default.
+    save_key = "checkpoint.save_dir" if cfg.checkpoint.save_dir else "logging.run_dir"
+    cache_key = "data.cache_dir" if cfg.data.cache_dir else "logging.run_dir"
+    shared_folders.check_shared([(save_key, checkpoint_dir(cfg)), (cache_key, cache_dir)], rt.rank)
     # Only now, with every input checked, does the run directory change.
     _hold_run_folders(cfg, rt, log, create=True)
     log.open(progress.iteration)

@@ -217,7 +217,8 @@ def resolve_explicit(path: Path, checksums: bool = False) -> Path:
     try:
         verify(found, checksums)
     except CheckpointError as err:
-        older = find_latest_complete(found.parent, checksums).path
+        # Sizes only: the hint must not hash every older checkpoint (or refuse one saved without).
+        older = find_latest_complete(found.parent).path
         beside = f" (the newest complete one beside it is {older})" if older else ""
         raise CheckpointError(f"{err}; give a complete checkpoint instead{beside}") from None
     return found
