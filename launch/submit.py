@@ -123,6 +123,9 @@ def job_variables(args: argparse.Namespace) -> dict[str, str]:
     # Inside a container this interpreter's path (a venv on the login node) would run the host's
     # packages, or nothing; the image's own python has the stack the image was built with.
     python = args.python or ("python" if args.container_image else sys.executable)
+    if not args.container_image and os.sep in python:
+        # The job starts in MT_REPO, not here. No symlinks resolved: a venv's python is one.
+        python = os.path.abspath(python)
     env = {
         "MT_CONFIG": str(Path(args.config).resolve()),
         "MT_PYTHON": python,
@@ -153,6 +156,47 @@ def check_args(args: argparse.Namespace) -> None:
             "--container-mounts",
             "mounts into a container, but no --container-image is given",
             "add --container-image, or drop --container-mounts",
+        )
+    if args.python and not args.container_image:
+        check_python(args.python)
+
+
+# The compute nodes start every rank with this interpreter; without a container they share the
+# login node's file systems, so an interpreter that cannot start training here would fail there
+# too, after the job waited in the queue.
+_TRAINING_IMPORTS = "import torch, megatron.core, megatron_train.train"
+
+
+def check_python(python: str) -> None:
+    """That ``python`` exists here and imports what training needs."""
+    found = shutil.which(python)
+    if found is None:
+        raise ConfigError(
+            "--python",
+            f"{python!r} is not an executable file on this node",
+            "give the interpreter that has megatron-train's dependencies (e.g. the venv's bin/python), "
+            "or leave --python out to use this one",
+        )
+    try:
+        result = subprocess.run(
+            [found, "-c", _TRAINING_IMPORTS],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ConfigError(
+            "--python", f"{python!r} could not be run: {err}", "give a Python interpreter"
+        ) from None
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"exit code {result.returncode}"
+        raise ConfigError(
+            "--python",
+            f"{python!r} cannot import what training needs ({why})",
+            "give the interpreter of the environment megatron-train is installed in, or leave --python out "
+            "to use this one",
         )
 
 

@@ -193,6 +193,11 @@ def _small_data(docs: int, tokens: int) -> Callable[[Path, str], None]:
     return setup
 
 
+def _bare_venv(ws: Path, case_id: str) -> None:
+    """A Python environment without the training stack (a system or another project's python)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(_case(ws, case_id))], check=True)
+
+
 _HELD: list[socket.socket] = []
 
 
@@ -905,6 +910,26 @@ CASES = [
             "--dry-run",
         ),
         "not a pyxis mount",
+    ),
+    # the interpreter every rank starts with: found out here, not after the job waited in the queue
+    Case(
+        "submit-python-missing",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--python", "WS/venv/bin/python", "--dry-run"),
+        "not an executable file",
+    ),
+    Case(
+        "submit-python-without-torch",
+        "submit",
+        _args(
+            "--config",
+            "WS/cfg.yaml",
+            "--python",
+            "WS/cases/submit-python-without-torch/bin/python",
+            "--dry-run",
+        ),  # fmt: skip
+        "No module named 'torch'",
+        setup=_bare_venv,
     ),
     # run where Slurm is not installed (a laptop, a dev box): submitting needs sbatch
     Case(
