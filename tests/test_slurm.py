@@ -212,6 +212,23 @@ def test_slurm_times_are_read_as_sbatch_reads_them(text, seconds):
     assert load_tool("launch/submit.py").slurm_seconds(text) == seconds
 
 
+@pytest.mark.parametrize(
+    ("python", "image", "job_python"),
+    [("venv/bin/python", None, "HERE/venv/bin/python"), ("python3", None, "python3"),
+     ("venv/bin/python", "x.sqsh", "venv/bin/python"), (None, "x.sqsh", "python")],
+)  # fmt: skip
+def test_the_ranks_python_is_the_one_named_from_where_the_job_starts(python, image, job_python, tmp_path,
+                                                                      monkeypatch):  # fmt: skip
+    """The job starts in the repo: a relative path is made absolute, outside a container (in one,
+    it names a file of the image's)."""
+    submit = load_tool("launch/submit.py")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", "c.yaml", *(["--python", python] if python else []),
+            *(["--container-image", image] if image else [])]  # fmt: skip
+    variables = submit.job_variables(submit.parse_args(argv))
+    assert variables["MT_PYTHON"] == job_python.replace("HERE", str(tmp_path))
+
+
 def test_a_request_sbatch_refuses_is_one_line_and_leaves_no_log_dir(slurm, corpus, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
     logs = tmp_path / "logs" / "new"
