@@ -8,7 +8,7 @@ import math
 import os
 import random
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,14 +61,23 @@ def launch_env() -> LaunchEnv:
             "the others",
             "start the ranks with torchrun or srun, which set both",
         )
-    check_rendezvous(env)
+    check_rendezvous(env, world)
     return LaunchEnv(rank, world, local_rank, local_world)
 
 
-def check_rendezvous(env: dict[str, str]) -> None:
+def check_rendezvous(env: Mapping[str, str], world_size: int) -> None:
     """The rendezvous variables torch reads, and the collective timeout, are usable: a bad port is
     a traceback deep in torch, and an address that does not resolve retries until torch's
     rendezvous gives up minutes later."""
+    if world_size > 1:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not env.get(name):
+                raise ConfigError(
+                    name,
+                    f"not set, and the {world_size} ranks meet at MASTER_ADDR:MASTER_PORT",
+                    "start the ranks with python -m megatron_train.torchrun or launch/slurm/pretrain.sbatch, "
+                    "which set both, or export the first node's address and a free port",
+                )
     port = env.get("MASTER_PORT")
     if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(

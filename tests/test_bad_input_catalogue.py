@@ -594,6 +594,13 @@ CASES = [
     Case("launch-rank-outside-world", "train", _train(FRESH), "outside a world of 1", env={"RANK": "3"}),
     Case("launch-world-not-a-count", "train", _train(FRESH), "'WORLD_SIZE'", env={"WORLD_SIZE": "x"}),
     # torch's rendezvous met these with a traceback (a port) or retried for minutes (an address)
+    Case(
+        "launch-ranks-without-a-meeting-point",
+        "train",
+        _train(FRESH),
+        "'MASTER_ADDR': not set",
+        env={"WORLD_SIZE": "2", "MASTER_ADDR": ""},
+    ),
     Case("launch-port-out-of-range", "train", _train(FRESH), "'MASTER_PORT'", env={"MASTER_PORT": "99999"}),
     Case(
         "launch-port-in-use",
