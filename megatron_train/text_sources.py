@@ -101,13 +101,18 @@ def _encodable(text: str) -> bool:
     return True
 
 
+# utf-8-sig: files saved by Windows tools (PowerShell 5's Out-File, Notepad) start with a byte
+# order mark, which is no part of the first document.
+_ENCODING = "utf-8-sig"
+
+
 def _open_text(path: Path) -> io.TextIOBase:
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
+        return gzip.open(path, "rt", encoding=_ENCODING)
     if path.name.endswith(".zst"):
         raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-        return io.TextIOWrapper(raw, encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return io.TextIOWrapper(raw, encoding=_ENCODING)
+    return open(path, encoding=_ENCODING)
 
 
 def _json_lines(path: Path, key: str) -> Iterator[str]:

@@ -58,6 +58,15 @@ def test_a_dotted_text_key_reaches_into_nested_fields(tmp_path):
     assert list(iter_texts([tmp_path / "n.jsonl"], "meta.body")) == ["deep", "literal"]
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_document(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "a.jsonl").write_bytes(bom + _jsonl([{"text": "first"}, {"text": "second"}]))
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(bom + _jsonl([{"text": "third"}])))
+    (tmp_path / "c.txt").write_bytes(bom + b"fourth\n")
+    files = input_files([str(tmp_path)])
+    assert list(iter_texts(files)) == ["first", "second", "third", "fourth"]
+
+
 @pytest.mark.parametrize(
     "content, key, problem",
     [
