@@ -63,13 +63,13 @@ class MetricsLogger:
     def open(self, step: int) -> None:
         """Start writing into the run directory (the resolved config, metrics.jsonl, wandb), once
         every check of the start has passed; records after ``step`` are dropped (a resumed run
-        redoes those steps; no double counting)."""
+        redoes those steps, and a fresh start, after a crash before the first save, all of them)."""
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         path = self.run_dir / "metrics.jsonl"
-        if step > 0 and path.exists():
+        if path.exists():
             kept = []
             for line in path.read_text().splitlines():
                 try:

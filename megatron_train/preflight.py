@@ -10,6 +10,7 @@ Exit codes: 0 ready, 2 a problem (one ``error:`` line naming it and the fix). No
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from megatron_train import cli
 from megatron_train.config import ExperimentConfig, checkpoint_dir, data_parallel_size
@@ -31,6 +32,8 @@ def check_resume(cfg: ExperimentConfig) -> str:
         raise ConfigError(
             "checkpoint.load", str(err), "point it at a complete checkpoint or set it to auto / none"
         ) from err
+    if decision.path is None:
+        files.check_fresh_start_in_run_dir(Path(cfg.logging.run_dir), checkpoint_dir(cfg))
     if decision.path is None and cfg.checkpoint.init_from:
         return f"starts from checkpoint.init_from={cfg.checkpoint.init_from}"
     if decision.path is None:

@@ -684,6 +684,21 @@ CASES = [
         _train(f"checkpoint.load=WS/{CKPT}", "checkpoint.finetune=true"),
         "checkpoint.init_from",
     ),
+    # the run directory of a run that saved elsewhere: its config.yaml and metrics.jsonl were replaced
+    Case(
+        "fresh-start-in-the-folder-of-a-run-saved-elsewhere",
+        "train",
+        _train("checkpoint.save_dir=WS/cases/fresh-start-in-the-folder-of-a-run-saved-elsewhere"),
+        "belongs to the run saved in",
+    ),
+    Case(
+        "preflight-fresh-start-in-the-folder-of-a-run-saved-elsewhere",
+        "preflight",
+        _preflight(
+            "checkpoint.save_dir=WS/cases/preflight-fresh-start-in-the-folder-of-a-run-saved-elsewhere"
+        ),
+        "belongs to the run saved in",
+    ),
     Case(
         "preflight-fresh-start-over-saved-run",
         "preflight",

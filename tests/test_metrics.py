@@ -1,6 +1,10 @@
-"""FLOPs and MFU accounting."""
+"""FLOPs and MFU accounting, and the records a start keeps."""
 
-from megatron_train.metrics import flops_per_token
+import json
+
+import pytest
+
+from megatron_train.metrics import MetricsLogger, flops_per_token
 from megatron_train.resolve import build_config
 
 
@@ -20,3 +24,17 @@ def test_flops_per_token_of_a_mixture_of_experts_counts_the_active_experts_only(
     # causal half 2*4096*4096 = 33,554,432. 48 layers plus the output layer 2*2048*151936, times 3.
     per_layer = 20_971_520 + 16_777_216 + 75_497_472 + 524_288 + 33_554_432
     assert flops_per_token(cfg) == 3 * (48 * per_layer + 2 * 2048 * 151936) == 23_081_779_200
+
+
+@pytest.mark.parametrize(("start", "kept"), [(2, [1, 2]), (0, [])])
+def test_a_start_drops_the_records_of_the_steps_it_redoes(tmp_path, start, kept):
+    """A resume redoes the steps after its checkpoint; a fresh start (a run requeued after a crash
+    before its first save) redoes them all."""
+    cfg = build_config({"train": {"steps": 4}, "model": {"vocab_size": 256}})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
+    log.open(start)
+    log.close()
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == kept

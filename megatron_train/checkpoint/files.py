@@ -17,6 +17,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from megatron_train.config import SAVE_DIR_IN_RUN
 from megatron_train.errors import CheckpointError, ConfigError
 from megatron_train.hf.model_dir import is_hf_model_dir
@@ -288,6 +290,37 @@ def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool
         "checkpoint.save_dir); to start from other weights in a job that may be requeued, use "
         "checkpoint.init_from",
     )
+
+
+def recorded_save_dir(run_dir: Path) -> Path | None:
+    """The save dir of the run ``run_dir`` holds, as its resolved ``config.yaml`` names it; None
+    where the folder holds no run (no ``metrics.jsonl``) or its config cannot be read."""
+    config, metrics = Path(run_dir) / "config.yaml", Path(run_dir) / "metrics.jsonl"
+    if not (config.is_file() and metrics.is_file()):
+        return None
+    try:
+        recorded = yaml.safe_load(config.read_text())
+        save_dir = recorded["checkpoint"]["save_dir"]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return Path(save_dir) if isinstance(save_dir, str) and save_dir else Path(run_dir) / SAVE_DIR_IN_RUN
+
+
+def check_fresh_start_in_run_dir(run_dir: Path, save_dir: Path) -> None:
+    """A fresh start writes the run directory's ``config.yaml`` and ``metrics.jsonl`` anew. When
+    the run recorded there saved its checkpoints elsewhere than this start does, and they are
+    complete, that run is alive: a start in its folder would replace its config and metrics."""
+    recorded = recorded_save_dir(run_dir)
+    if recorded is None or recorded.resolve() == Path(save_dir).resolve():
+        return
+    newest = find_latest_complete(recorded).path
+    if newest is not None:
+        raise ConfigError(
+            "logging.run_dir",
+            f"{run_dir} belongs to the run saved in {recorded} (newest: {newest.name}), whose config.yaml "
+            f"and metrics.jsonl this fresh start (saving to {save_dir}) would replace",
+            f"give this start a new logging.run_dir, or resume that run (checkpoint.save_dir={recorded})",
+        )
 
 
 def update_tracker(save_dir: Path, iteration: int) -> None:
