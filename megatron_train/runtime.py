@@ -8,7 +8,7 @@ import math
 import os
 import random
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,23 +61,14 @@ def launch_env() -> LaunchEnv:
             "the others",
             "start the ranks with torchrun or srun, which set both",
         )
-    check_rendezvous(env, world)
+    check_rendezvous(env)
     return LaunchEnv(rank, world, local_rank, local_world)
 
 
-def check_rendezvous(env: Mapping[str, str], world_size: int) -> None:
+def check_rendezvous(env: dict[str, str]) -> None:
     """The rendezvous variables torch reads, and the collective timeout, are usable: a bad port is
     a traceback deep in torch, and an address that does not resolve retries until torch's
     rendezvous gives up minutes later."""
-    if world_size > 1:
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if not env.get(name):
-                raise ConfigError(
-                    name,
-                    f"not set, and the {world_size} ranks meet at MASTER_ADDR:MASTER_PORT",
-                    "start the ranks with python -m megatron_train.torchrun or launch/slurm/pretrain.sbatch, "
-                    "which set both, or export the first node's address and a free port",
-                )
     port = env.get("MASTER_PORT")
     if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(
@@ -104,6 +95,14 @@ def _rendezvous(env: LaunchEnv) -> str:
     use. Under torchrun, even one rank must use the store torchrun keeps at those variables."""
     if env.world_size == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return f"tcp://127.0.0.1:{_free_port()}"
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):  # RANK and WORLD_SIZE, or srun's variables, set by hand
+            raise ConfigError(
+                name,
+                f"not set, and the {env.world_size} ranks meet at MASTER_ADDR:MASTER_PORT",
+                "start the ranks with python -m megatron_train.torchrun or launch/slurm/pretrain.sbatch, "
+                "which set both, or export the first node's address and a free port",
+            )
     return "env://"
 
 

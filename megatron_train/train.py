@@ -223,8 +223,8 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_CONFIG
     try:
         rt = runtime.initialize(cfg, env)
-    except ConfigError as err:  # the rendezvous port, which rank 0 alone opens
-        cli.report(err)
+    except ConfigError as err:  # the rendezvous variables, or its port (which rank 0 alone opens)
+        cli.report_once(err)
         return EXIT_BAD_CONFIG
     # A rank that a native crash kills (a communication library's segfault, say) prints where each
     # of its threads was, where it would otherwise leave only its exit signal and the peers' errors.

@@ -63,8 +63,8 @@ class Case:
     """Text the one error line must contain (the problem it names)."""
     setup: Callable[[Path], None] | None = None
     code: int = 2
-    env: dict[str, str] | None = None
-    """Launcher variables that differ from one process of a one-rank world."""
+    env: dict[str, str | None] | None = None
+    """Launcher variables that differ from one process of a one-rank world (None: unset)."""
 
 
 # -- workspace: inputs and an existing run, shared by all cases ------------------------------------
@@ -599,7 +599,7 @@ CASES = [
         "train",
         _train(FRESH),
         "'MASTER_ADDR': not set",
-        env={"WORLD_SIZE": "2", "MASTER_ADDR": ""},
+        env={"WORLD_SIZE": "2", "MASTER_ADDR": None},
     ),
     Case("launch-port-out-of-range", "train", _train(FRESH), "'MASTER_PORT'", env={"MASTER_PORT": "99999"}),
     Case(
@@ -1641,7 +1641,10 @@ def test_bad_input_is_one_line_and_touches_nothing(ws, corpus, case, capfd, monk
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     for name, value in (case.env or {}).items():
-        monkeypatch.setenv(name, value)
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     monkeypatch.chdir(ws)
     if case.setup:
         case.setup(ws, case.id)
