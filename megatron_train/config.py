@@ -745,6 +745,17 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             f"{groups} query groups are not divisible by parallel.tensor={p.tensor}",
             "choose a tensor-parallel size that divides the number of query groups",
         )
+    # Tensor parallelism splits an MLP's width across its ranks (megatron asserts it, at build).
+    widths = {"model.moe_shared_expert_ffn_hidden_size": m.moe_shared_expert_ffn_hidden_size}
+    if m.num_experts is None:
+        widths["model.ffn_hidden_size"] = m.ffn_hidden_size
+    for key, width in widths.items():
+        if width and width % p.tensor:
+            raise ConfigError(
+                key,
+                f"{width} is not divisible by parallel.tensor={p.tensor}, which splits the MLP's width",
+                f"use a multiple of {p.tensor}, or a tensor-parallel size that divides it",
+            )
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             "model.hidden_size",

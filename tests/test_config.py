@@ -100,6 +100,13 @@ BAD_INPUTS = [
         8,
         "data.seq_length",
     ),
+    # tensor parallelism splits an MLP's width: megatron asserted it at build, in a traceback
+    (["parallel.tensor=2", "model.ffn_hidden_size=353"], 2, "model.ffn_hidden_size"),
+    (
+        ["model.preset=qwen3-moe-tiny", "parallel.tensor=2", "model.moe_shared_expert_ffn_hidden_size=33"],
+        2,
+        "model.moe_shared_expert_ffn_hidden_size",
+    ),
     (["data.reset_position_ids=true"], 1, "data.reset_position_ids"),
     (["data.document_mask=maybe"], 1, "data.document_mask"),
 ]
