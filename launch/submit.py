@@ -36,6 +36,16 @@ def slurm_time(text: str) -> str:
     return text
 
 
+def job_name(text: str) -> str:
+    """A job name: it names the job's log file and folder, so it holds no ``/`` (Slurm does not
+    make the folder that would ask for, and a job whose output file cannot open fails with no log:
+    JobLaunchFailure on Slurm 22.05)."""
+    text = cli.non_empty(text)
+    if "/" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a '/', but it names the job's log file")
+    return text
+
+
 def container_mounts(text: str) -> str:
     """pyxis's mount list: comma-separated ``SRC[:DST[:FLAGS]]``, none of the parts empty."""
     for mount in text.split(","):
@@ -74,7 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--time", type=slurm_time, default="24:00:00", help="time limit (sbatch --time)")
     parser.add_argument("--partition", type=cli.non_empty)
     parser.add_argument("--account", type=cli.non_empty)
-    parser.add_argument("--job-name", type=cli.non_empty, default="megatron-train")
+    parser.add_argument("--job-name", type=job_name, default="megatron-train")
     parser.add_argument("--signal-seconds", type=cli.positive_int, default=300,
                         help="send SIGUSR1 this long before the time limit (save, then requeue)")  # fmt: skip
     parser.add_argument("--max-requeues", type=cli.non_negative_int, default=20)

@@ -906,6 +906,13 @@ CASES = [
         _args("--config", "WS/cfg.yaml", "--partition", "", "--dry-run"),
         "--partition: an empty value",
     ),
+    # Slurm cannot open logs/a/b-<id>.out (no folder logs/a): the job failed with no log at all
+    Case(
+        "submit-job-name-with-a-slash",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--job-name", "exp/1", "--dry-run"),
+        "--job-name: 'exp/1' holds a '/'",
+    ),
     Case(
         "submit-preflight-fails",
         "submit",
