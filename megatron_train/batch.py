@@ -17,6 +17,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_train.config import ExperimentConfig
+from megatron_train.errors import ConfigError
 from megatron_train.tokenizer import load_tokenizer
 
 _KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -61,6 +62,21 @@ def packed_documents(documents: torch.Tensor) -> PackedSeqParams:
     )
 
 
+def check_token_ids(loaded: dict[str, torch.Tensor], vocab_size: int) -> None:
+    """Every id of a loader's micro-batch (still on the host: no device sync) is below
+    ``vocab_size``. The start checks a slice of each dataset only; an id beyond the embedding is
+    an index error on the CPU and a device-side assert on a GPU, and beyond a tensor-parallel
+    cross-entropy's vocabulary a silently wrong loss."""
+    largest = int(torch.maximum(loaded["tokens"].max(), loaded["labels"].max()))
+    if largest >= vocab_size:
+        raise ConfigError(
+            "data.blend",
+            f"a sample of the data holds token id {largest}, beyond the model's {vocab_size} tokens: part of "
+            "the data was tokenized with another tokenizer",
+            "preprocess it with the run's tokenizer, or leave that dataset out of data.blend",
+        )
+
+
 class BatchPreparer:
     """Moves a loader's micro-batch to the device and shapes it for this rank's model."""
 
@@ -70,28 +86,32 @@ class BatchPreparer:
         eod: int | None = None,
         reset_positions: bool = False,
         transformer_engine: bool = False,
+        vocab_size: int | None = None,
     ):
         """``eod``: mask attention within documents ending with this token (None: plain causal);
         ``reset_positions``: RoPE positions restart at 0 in each document; ``transformer_engine``:
-        documents go to Transformer Engine's attention as a packed sequence."""
+        documents go to Transformer Engine's attention as a packed sequence; ``vocab_size``: the
+        model's, which every token id must be below (None: not checked)."""
         self.device, self.eod, self.reset_positions = device, eod, reset_positions
-        self.transformer_engine = transformer_engine
+        self.transformer_engine, self.vocab_size = transformer_engine, vocab_size
 
     @classmethod
     def for_config(
         cls, cfg: ExperimentConfig, device: torch.device, transformer_engine: bool
     ) -> BatchPreparer:
         """What ``data.document_mask`` and ``data.reset_position_ids`` ask for."""
-        d = cfg.data
+        d, vocab = cfg.data, cfg.model.vocab_size
         if not d.document_mask:
-            return cls(device)
+            return cls(device, vocab_size=vocab)
         eod = load_tokenizer(d.tokenizer.type, d.tokenizer.path).eod
-        return cls(device, eod, d.reset_position_ids, transformer_engine)
+        return cls(device, eod, d.reset_position_ids, transformer_engine, vocab)
 
     def __call__(self, loaded: dict[str, torch.Tensor]) -> dict:
         """``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and the model's
         ``attention_mask`` (None unless documents are masked on the local path), plus
         ``packed_seq_params`` for Transformer Engine's document masking."""
+        if self.vocab_size is not None:
+            check_token_ids(loaded, self.vocab_size)
         batch = {key: loaded[key].to(self.device, non_blocking=True) for key in _KEYS}
         batch["attention_mask"] = None
         if self.eod is not None and self.transformer_engine:

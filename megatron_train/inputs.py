@@ -47,6 +47,8 @@ _SAMPLE_INDEX_BYTES, _BLEND_INDEX_BYTES = 24, 10
 # A weighted blend asks each of its datasets for this share more samples than its weight gives.
 _BLEND_SURPLUS = GPTDatasetConfig.mid_level_dataset_surplus
 _REPREPROCESS = "preprocess the data again with tools/preprocess_data.py or fix the prefix"
+_RETOKENIZE = "preprocess it with this tokenizer, or set data.tokenizer to the one it was made with"
+_ID_SAMPLE_BYTES = 16 * 1024
 
 
 def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
@@ -97,6 +99,18 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
             _REPREPROCESS,
         )
     return dtype
+
+
+def largest_sampled_id(prefix: str, dtype: np.dtype) -> int:
+    """The largest token id in three slices of the checked dataset's ``.bin`` (its start, middle
+    and end, ``_ID_SAMPLE_BYTES`` each): a dataset tokenized with a larger vocabulary than the
+    run's shows ids beyond it in any slice, and every rank reads this little whatever the size."""
+    if not np.issubdtype(dtype, np.integer) or os.path.getsize(prefix + ".bin") == 0:
+        return 0
+    tokens = np.memmap(prefix + ".bin", dtype, "r")
+    width = _ID_SAMPLE_BYTES // dtype.itemsize
+    starts = {0, max(tokens.size // 2 - width // 2, 0), max(tokens.size - width, 0)}
+    return max(int(tokens[start : start + width].max()) for start in starts)
 
 
 def _lengths_and_pointers(idx: Path, sequences: int) -> tuple[np.ndarray, np.ndarray]:
@@ -269,7 +283,15 @@ def check_inputs(cfg: ExperimentConfig) -> int:
                 "data.blend",
                 f"{prefix} stores tokens as {dtype}, too small for the tokenizer's {vocab} tokens: it was "
                 "tokenized with another tokenizer",
-                "preprocess it with this tokenizer, or set data.tokenizer to the one it was made with",
+                _RETOKENIZE,
+            )
+        largest = largest_sampled_id(prefix, dtype)
+        if largest >= vocab:
+            raise ConfigError(
+                "data.blend",
+                f"{prefix} holds token id {largest}, beyond the tokenizer's {vocab} tokens: it was "
+                "tokenized with another tokenizer",
+                _RETOKENIZE,
             )
     check_run_dir("logging.run_dir", Path(cfg.logging.run_dir))
     check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))

@@ -179,15 +179,15 @@ def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
     return setup
 
 
-def _small_data(docs: int, tokens: int) -> Callable[[Path, str], None]:
-    """A dataset of ``docs`` documents of ``tokens`` tokens each."""
+def _small_data(docs: int, tokens: int, token_id: int = 5) -> Callable[[Path, str], None]:
+    """A dataset of ``docs`` documents of ``tokens`` tokens each, all ``token_id``."""
 
     def setup(ws: Path, case_id: str) -> None:
         d = _case(ws, case_id)
         d.mkdir(parents=True)
         with open(d / "data.bin", "wb") as f:
             writer = TokenWriter(f, np.dtype(np.uint16))
-            writer.add([[5] * tokens for _ in range(docs)])
+            writer.add([[token_id] * tokens for _ in range(docs)])
         writer.write_index(d / "data.idx")
 
     return setup
@@ -493,6 +493,14 @@ CASES = [
         _train("data.blend=[0.5,WS/corpus/stdlib,0.5,WS/cases/weighted-blend-empty-split/data]"),
         "holds 0 tokens",
         _small_data(docs=4, tokens=400),
+    ),
+    # ids beyond the embedding: an index error mid-run on the CPU, a device-side assert on a GPU
+    Case(
+        "blend-tokenized-with-a-larger-vocabulary",
+        "train",
+        _train("data.blend=[WS/cases/blend-tokenized-with-a-larger-vocabulary/data]"),
+        "holds token id 60000, beyond the tokenizer's",
+        _small_data(docs=50, tokens=200, token_id=60000),
     ),
     Case(
         "idx-header-only",

@@ -303,3 +303,10 @@ def test_documents_are_found_from_their_eod_tokens():
     packed = batch.packed_documents(documents)
     assert packed.qkv_format == "thd" and packed.cu_seqlens_q.tolist() == [0, 3, 5, 8]
     assert packed.max_seqlen_q == packed.max_seqlen_kv == 3
+
+
+def test_a_token_id_beyond_the_model_is_refused_on_the_host_before_the_step():
+    prepare = batch.BatchPreparer(torch.device("cpu"), vocab_size=8)
+    loaded = {"tokens": torch.tensor([[1, 7, 2]]), "labels": torch.tensor([[7, 2, 8]])}
+    with pytest.raises(ConfigError, match="holds token id 8, beyond the model's 8 tokens"):
+        prepare(loaded)
