@@ -125,13 +125,18 @@ def job_field(slurm: dict, job: str, field: str) -> str:
 
 def wait_for_job(slurm: dict, job: str, timeout: float = 400) -> str:
     deadline = time.monotonic() + timeout
+    released = False
     while (state := job_field(slurm, job, "JobState")) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
         assert time.monotonic() < deadline, f"job {job} still {state}"
-        if state == "PENDING" and job_field(slurm, job, "Reason") == "BeginTime":
-            # slurmctld holds a requeued job for about two minutes; the test need not wait it out.
-            # Not "now": slurmd revokes the old run's credential with one-second resolution, and a
-            # restart inside that second is killed as "Job credential revoked".
-            _run("scontrol", "update", f"JobId={job}", "StartTime=now+3", env=slurm, check=False)
+        if state == "PENDING" and not released and job_field(slurm, job, "Reason") == "BeginTime":
+            # slurmctld holds a requeued job for AuthInfo's cred_expire (120 s by default); the test
+            # need not wait it out. Not at once: slurmd revokes the old run's credential with
+            # one-second resolution, and a restart inside that second is killed as "Job credential
+            # revoked". Once: each update sets the begin time anew, and updating it at every poll
+            # (to a few seconds ahead) held the job back for as long as the polls went on.
+            time.sleep(3)
+            _run("scontrol", "update", f"JobId={job}", "StartTime=now", env=slurm, check=False)
+            released = True
         time.sleep(2)
     return state
 
