@@ -26,14 +26,15 @@ def check_resume(cfg: ExperimentConfig) -> str:
 
     try:
         decision = files.resolve_load(
-            cfg.checkpoint.load, checkpoint_dir(cfg), finetune=cfg.checkpoint.finetune
+            cfg.checkpoint.load,
+            checkpoint_dir(cfg),
+            finetune=cfg.checkpoint.finetune,
+            run_dir=Path(cfg.logging.run_dir),
         )
     except files.CheckpointError as err:
         raise ConfigError(
             "checkpoint.load", str(err), "point it at a complete checkpoint or set it to auto / none"
         ) from err
-    if decision.path is None:
-        files.check_fresh_start_in_run_dir(Path(cfg.logging.run_dir), checkpoint_dir(cfg))
     if decision.path is None and cfg.checkpoint.init_from:
         return f"starts from checkpoint.init_from={cfg.checkpoint.init_from}"
     if decision.path is None:

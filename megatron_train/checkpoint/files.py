@@ -234,10 +234,20 @@ class LoadDecision:
     notes: list[str]
 
 
-def resolve_load(load: str, save_dir: Path, checksums: bool = False, finetune: bool = False) -> LoadDecision:
+def resolve_load(
+    load: str, save_dir: Path, checksums: bool = False, finetune: bool = False, run_dir: Path | None = None
+) -> LoadDecision:
     """Apply ``checkpoint.load``: ``none``, ``auto`` (newest complete checkpoint in ``save_dir``,
     torn newer ones reported) or an explicit path (must be complete, else CheckpointError). A
-    start that would not continue the checkpoints ``save_dir`` already holds is a ConfigError."""
+    start that would not continue the checkpoints ``save_dir`` already holds, or a fresh start in
+    the ``run_dir`` of a run saved elsewhere, is a ConfigError."""
+    decision = _decide_load(load, save_dir, checksums, finetune)
+    if decision.path is None and run_dir is not None:
+        _check_fresh_start_in_run_dir(Path(run_dir), save_dir)
+    return decision
+
+
+def _decide_load(load: str, save_dir: Path, checksums: bool, finetune: bool) -> LoadDecision:
     if load == "auto":  # continues save_dir by definition (the config refuses it with finetune)
         point = find_latest_complete(save_dir, checksums)
         notes = [f"skipping torn checkpoint {p.name}: {why}" for p, why in point.skipped]
@@ -292,7 +302,7 @@ def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool
     )
 
 
-def recorded_save_dir(run_dir: Path) -> Path | None:
+def _recorded_save_dir(run_dir: Path) -> Path | None:
     """The save dir of the run ``run_dir`` holds, as its resolved ``config.yaml`` names it; None
     where the folder holds no run (no ``metrics.jsonl``) or its config cannot be read."""
     config, metrics = Path(run_dir) / "config.yaml", Path(run_dir) / "metrics.jsonl"
@@ -306,11 +316,11 @@ def recorded_save_dir(run_dir: Path) -> Path | None:
     return Path(save_dir) if isinstance(save_dir, str) and save_dir else Path(run_dir) / SAVE_DIR_IN_RUN
 
 
-def check_fresh_start_in_run_dir(run_dir: Path, save_dir: Path) -> None:
+def _check_fresh_start_in_run_dir(run_dir: Path, save_dir: Path) -> None:
     """A fresh start writes the run directory's ``config.yaml`` and ``metrics.jsonl`` anew. When
     the run recorded there saved its checkpoints elsewhere than this start does, and they are
     complete, that run is alive: a start in its folder would replace its config and metrics."""
-    recorded = recorded_save_dir(run_dir)
+    recorded = _recorded_save_dir(run_dir)
     if recorded is None or recorded.resolve() == Path(save_dir).resolve():
         return
     newest = find_latest_complete(recorded).path

@@ -414,10 +414,12 @@ class Checkpointer:
     def _resolve_on_main(self) -> tuple[str | None, list[str], str | None]:
         try:
             decision = files.resolve_load(
-                self.options.load, self.save_dir, self.options.verify_checksums, self.options.finetune
+                self.options.load,
+                self.save_dir,
+                self.options.verify_checksums,
+                self.options.finetune,
+                run_dir=Path(self.cfg.logging.run_dir),
             )
-            if decision.path is None:
-                files.check_fresh_start_in_run_dir(Path(self.cfg.logging.run_dir), self.save_dir)
         except CheckpointError as err:
             return None, [], f"checkpoint.load: {err}. Fix checkpoint.load (or set it to auto / none)"
         except errors.ConfigError as err:
