@@ -15,7 +15,8 @@ import torch
 from megatron_train.checkpoint import files
 from tests.conftest import ROOT, records, torchrun, torchrun_env, write_config
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs this module, so its module-scoped reference runs are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("context_parallel")]
 
 SMALL_LR = {"lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 2}
 STEPS = 10

@@ -22,6 +22,9 @@ from megatron_train.tokenizer import load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
+# One xdist worker runs this module, so its module-scoped models and imports are built once.
+pytestmark = pytest.mark.xdist_group("hf_conversion")
+
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 _COMMON = dict(
     vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,

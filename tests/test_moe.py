@@ -11,7 +11,8 @@ import pytest
 from megatron_train.checkpoint import files
 from tests.conftest import records, torchrun, train_losses, write_config
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs this module, so its module-scoped reference runs are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("moe")]
 
 # Dropless routing in fp32; a load-balancing loss and a shared expert so both take part.
 MOE = {"preset": "qwen3-moe-tiny", "max_position_embeddings": 128, "moe_aux_loss_coeff": 0.01,

@@ -16,6 +16,9 @@ from megatron_train import sentencepiece_cuts
 from megatron_train.sentencepiece_cuts import SPACE, bpe_cutter
 from megatron_train.text_encoding import text_encoder
 
+# One xdist worker runs this module, so its module-scoped tokenizers are built once.
+pytestmark = pytest.mark.xdist_group("sentencepiece_cuts")
+
 # tools/train_tokenizer.py's settings; Llama-2's (a dummy prefix) with user-defined symbols.
 OURS = dict(normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False)
 LLAMA2 = dict(

@@ -18,7 +18,8 @@ import pytest
 
 from tests.conftest import ROOT, load_tool, records, write_config
 
-pytestmark = pytest.mark.slow
+# One test cluster at a time: every Slurm test runs on the same xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 SLURM_CONF = """\
 ClusterName=mtrain-test

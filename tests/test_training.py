@@ -13,7 +13,8 @@ import pytest
 
 from tests.conftest import ROOT, records, torchrun, torchrun_env, train_losses, write_config
 
-pytestmark = pytest.mark.slow
+# One xdist worker runs this module, so its module-scoped reference runs are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("training")]
 
 
 def grad_norms(run_dir: Path) -> list[float]:
