@@ -2,7 +2,7 @@
 # Build a wheelhouse that installs megatron-train on a GPU node without a package index, keeping
 # the node's own torch (and CUDA libraries).
 #
-#   tools/build_wheelhouse.sh [--python 3.12] [--out wheelhouse] [--node-freeze FILE] [--with-te cu13|cu12]
+#   tools/build_wheelhouse.sh [--python 3.12] [--out ./wheelhouse] [--node-freeze FILE] [--with-te cu13|cu12]
 #       [--with-torchtitan VERSION]
 #
 # Run it where PyPI is reachable. --node-freeze takes the node's `python -m pip list --format=freeze`:
@@ -13,28 +13,45 @@
 # benchmarks/throughput.py: 0.2.2 on torch 2.11, 0.3 from torch 2.12 (it imports fsdp names 2.11 lacks).
 # On the node: `bash wheelhouse/install.sh`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 PYV=3.12 OUT=wheelhouse FREEZE="" TE="" TITAN=""
 TE_VERSION=2.11.0
+USAGE="tools/build_wheelhouse.sh [--python 3.12] [--out DIR] [--node-freeze FILE] [--with-te cu13|cu12] [--with-torchtitan VERSION]"
+# Every refusal is one line and exit code 2, before anything is downloaded or written.
+refuse() { echo "error: build_wheelhouse.sh: $1. Fix: $2" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
-        --python) PYV=$2; shift 2 ;;
-        --out) OUT=$2; shift 2 ;;
-        --node-freeze) FREEZE=$2; shift 2 ;;
-        --with-te) TE=$2; shift 2 ;;
-        --with-torchtitan) TITAN=$2; shift 2 ;;
-        *) echo "build_wheelhouse.sh: unknown argument '$1' (see the header of this script)" >&2; exit 2 ;;
+        --python|--out|--node-freeze|--with-te|--with-torchtitan)
+            [ $# -ge 2 ] || refuse "$1 needs a value" "$USAGE"
+            case "$1" in
+                --python) PYV=$2 ;;
+                --out) OUT=$2 ;;
+                --node-freeze) FREEZE=$2 ;;
+                --with-te) TE=$2 ;;
+                --with-torchtitan) TITAN=$2 ;;
+            esac
+            shift 2 ;;
+        *) refuse "unknown argument '$1'" "$USAGE" ;;
     esac
 done
-if [[ ! "$PYV" =~ ^3\.[0-9]+$ ]]; then echo "build_wheelhouse.sh: --python wants e.g. 3.12, got '$PYV'" >&2; exit 2; fi
+if [[ ! "$PYV" =~ ^3\.([0-9]+)$ ]]; then refuse "--python wants a version such as 3.12, got '$PYV'" "give the node's 'python3 --version' without the patch number"; fi
+if (( 10#${BASH_REMATCH[1]} < 11 )); then refuse "--python $PYV: megatron-train needs Python 3.11 or newer" "build for a node Python of 3.11 or newer (NGC images have 3.12)"; fi
 if [ -n "$TE" ] && [ "$TE" != cu12 ] && [ "$TE" != cu13 ]; then
-    echo "build_wheelhouse.sh: --with-te takes cu12 or cu13 (the node's CUDA major version), got '$TE'" >&2; exit 2
+    refuse "--with-te takes cu12 or cu13, got '$TE'" "give the node's CUDA major version (torch.version.cuda there)"
 fi
 if [ -n "$TITAN" ] && [[ ! "$TITAN" =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?$ ]]; then
-    echo "build_wheelhouse.sh: --with-torchtitan wants a release such as 0.2.2, got '$TITAN'" >&2; exit 2
+    refuse "--with-torchtitan wants a release such as 0.2.2, got '$TITAN'" "0.2.2 for torch 2.11, 0.3 from torch 2.12"
 fi
-if [ -n "$FREEZE" ] && [ ! -f "$FREEZE" ]; then echo "build_wheelhouse.sh: --node-freeze: no file '$FREEZE'" >&2; exit 2; fi
-if [ -e "$OUT" ]; then echo "build_wheelhouse.sh: '$OUT' exists; remove it or pick another --out" >&2; exit 2; fi
+if [ -n "$FREEZE" ]; then
+    [ -f "$FREEZE" ] || refuse "--node-freeze: no file '$FREEZE'" "write it on the node with: python -m pip list --format=freeze > node.txt"
+    grep -qE '^[A-Za-z0-9_.-]+==' "$FREEZE" || refuse "--node-freeze: '$FREEZE' has no name==version line" "write it on the node with: python -m pip list --format=freeze > node.txt"
+fi
+if [ -e "$OUT" ] || [ -L "$OUT" ]; then refuse "'$OUT' exists" "remove it or pick another --out"; fi
+# The folder is made last; making it now (and removing it) checks that it can be.
+{ mkdir "$OUT" && rmdir "$OUT"; } 2>/dev/null || refuse "--out '$OUT' cannot be made" "pick a folder in a writable place whose parent exists"
+# Paths are the caller's; the build runs from the repository root.
+[[ "$OUT" = /* ]] || OUT="$PWD/$OUT"
+[[ -z "$FREEZE" || "$FREEZE" = /* ]] || FREEZE="$PWD/$FREEZE"
+cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 "$PY" -m uv --version >/dev/null 2>&1 || "$PY" -m pip install -q uv
 WORK=$(mktemp -d)
@@ -59,8 +76,13 @@ if [ -n "$TITAN" ]; then
     echo "torchtitan==$TITAN" >"$WORK/titan.in"
     REQS+=("$WORK/titan.in")
 fi
-"$PY" -m uv pip compile -q "${REQS[@]}" --python-version "$PYV" --python-platform x86_64-manylinux_2_28 \
-    --override "$WORK/override.txt" --no-header --no-annotate -o "$WORK/all.txt"
+if ! "$PY" -m uv pip compile -q "${REQS[@]}" --python-version "$PYV" --python-platform x86_64-manylinux_2_28 \
+    --override "$WORK/override.txt" --no-header --no-annotate -o "$WORK/all.txt" 2>"$WORK/compile.log"; then
+    # uv explains a failed resolution over several lines; its first "Because ..." sentence names the cause.
+    why=$(grep -m1 -o 'Because.*' "$WORK/compile.log" || tail -n1 "$WORK/compile.log")
+    why=${why%.}
+    refuse "the requirements do not resolve for Python $PYV: $why" "change the version that the cause names"
+fi
 # What the node already has at the resolved version needs no wheel.
 if [ -n "$FREEZE" ]; then
     tr 'A-Z_' 'a-z-' <"$WORK/node.txt" | sort >"$WORK/node_norm.txt"
@@ -74,9 +96,12 @@ fi
 PLATFORMS=()
 for n in 17 24 27 28 31 34; do PLATFORMS+=(--platform "manylinux_2_${n}_x86_64"); done
 PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
-if [ -s "$WORK/needed.txt" ]; then
-    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
-        "${PLATFORMS[@]}" -d "$WORK/out" -r "$WORK/needed.txt"
+if [ -s "$WORK/needed.txt" ] && ! "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" \
+    --implementation cp "${PLATFORMS[@]}" -d "$WORK/out" -r "$WORK/needed.txt" 2>"$WORK/download.log"; then
+    why=$(grep -m1 '^ERROR' "$WORK/download.log" || tail -n1 "$WORK/download.log")
+    why=${why%.}
+    echo "error: build_wheelhouse.sh: the wheels for Python $PYV could not be downloaded ($why). Fix: check that PyPI is reachable and that every requirement has a wheel for that Python" >&2
+    exit 1
 fi
 # Built from the tracked files only, so no build/ or egg-info is left in the checkout.
 mkdir "$WORK/src"
@@ -104,7 +129,10 @@ cat >"$WORK/out/install.sh" <<'EOF'
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
-"$PY" -c "import torch" || { echo "install.sh: this Python has no torch; install the node's first" >&2; exit 2; }
+"$PY" -c "import torch" 2>/dev/null || {
+    echo "error: install.sh: $PY cannot import torch. Fix: run it with the node's Python that has torch: PYTHON=/path/to/python bash $0" >&2
+    exit 2
+}
 "$PY" -m pip install -q --no-index --find-links "$HERE" "$HERE"/megatron_train-*.whl
 if ls "$HERE"/torchtitan-*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --find-links "$HERE" "$HERE"/torchtitan-*.whl

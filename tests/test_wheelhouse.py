@@ -1,0 +1,52 @@
+"""tools/build_wheelhouse.sh refuses bad arguments in one line, before it downloads or writes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+SCRIPT = ROOT / "tools" / "build_wheelhouse.sh"
+
+
+def _build(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--python"], "--python needs a value"),
+        (["--python", "3.12", "--out"], "--out needs a value"),
+        (["--with-te"], "--with-te needs a value"),
+        (["--python", "3"], "--python wants a version such as 3.12, got '3'"),
+        (["--python", "3.10"], "--python 3.10: megatron-train needs Python 3.11 or newer"),
+        (["--python", "3.08"], "--python 3.08: megatron-train needs Python 3.11 or newer"),
+        (["--with-te", "cu11"], "--with-te takes cu12 or cu13, got 'cu11'"),
+        (["--with-torchtitan", "latest"], "--with-torchtitan wants a release such as 0.2.2"),
+        (["--node-freeze", "missing.txt"], "--node-freeze: no file"),
+        (["--node-freeze", "notes.txt"], "has no name==version line"),
+        (["--out", "taken"], "exists"),
+        (["--out", "/proc/megatron-train/wheelhouse"], "cannot be made"),
+        (["--verbose"], "unknown argument '--verbose'"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_write_nothing(tmp_path, args, says):
+    # Relative paths are the caller's: these two exist only in the folder the script is run from.
+    (tmp_path / "notes.txt").write_text("torch 2.11.0 (conda list)\n")
+    (tmp_path / "taken").mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    repo_before = set(ROOT.iterdir())
+
+    result = _build(tmp_path, *args)
+
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: build_wheelhouse.sh: ") and "Fix: " in lines[0]
+    assert says in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert set(ROOT.iterdir()) == repo_before
