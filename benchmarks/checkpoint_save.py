@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from torchrun_self import relaunch
+from torchrun_self import check_config, relaunch
+
+from megatron_train import cli
 
 FORMATS = ("dp_reshardable", "fully_reshardable")
 
@@ -125,9 +127,9 @@ def worker(args) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--nproc", type=cli.positive_int, default=4)
+    parser.add_argument("--repeats", type=cli.positive_int, default=3)
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
@@ -136,6 +138,8 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if code := check_config(args.config, args.overrides, args.nproc):
+        return code
     scratch = tempfile.mkdtemp(prefix="ckpt-bench-")
     worker_args = [
         f"--repeats={args.repeats}",

@@ -22,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_train import cli  # noqa: E402
 from megatron_train.config import ModelConfig  # noqa: E402
 from megatron_train.hf.plan import hf_shapes  # noqa: E402
 from megatron_train.hf.safetensors_io import write_weights  # noqa: E402
@@ -77,14 +78,14 @@ def measured(*args: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=3072)
-    parser.add_argument("--shard-gib", type=float, default=1.0)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=cli.positive_int, default=12)
+    parser.add_argument("--hidden", type=cli.positive_int, default=3072)
+    parser.add_argument("--shard-gib", type=cli.positive_float, default=1.0)
     parser.add_argument("--workdir", type=Path, help="default: a temporary directory")
     args = parser.parse_args()
+    if args.workdir is not None and not args.workdir.is_dir():
+        parser.error(f"--workdir: no folder {str(args.workdir)!r}")
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         total = synthetic_model(tmp / "hf", args.layers, args.hidden, int(args.shard_gib * 2**30))

@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_train import cli  # noqa: E402
+
 MODES = ("unfused", "fused, eager", "fused, compiled")
 _FUSED_STEPS = ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss",
                 "calculate_gradients")  # fmt: skip
@@ -113,11 +115,11 @@ def measure(mode: str, seq: int, batch: int, vocab: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--seq", type=cli.positive_int, default=4096)
+    parser.add_argument("--batch", type=cli.positive_int, default=2)
+    parser.add_argument("--vocab", type=cli.positive_int, default=128256)
+    parser.add_argument("--repeats", type=cli.positive_int, default=3)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:

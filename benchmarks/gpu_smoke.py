@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_train import cli  # noqa: E402
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -137,7 +140,7 @@ CHECKS = {"demo": check_demo, "resume": check_resume, "save": check_save, "numer
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", default="runs/gpu_smoke", help="a new directory for the runs and logs")
     parser.add_argument(
         "--checks", default=",".join(CHECKS), help="comma-separated subset of " + ", ".join(CHECKS)
@@ -147,15 +150,14 @@ def main() -> int:
 
     checks = args.checks.split(",")
     if unknown := [c for c in checks if c not in CHECKS]:
-        print(f"gpu_smoke: --checks: unknown {unknown}; choose from {', '.join(CHECKS)}", file=sys.stderr)
-        return 2
+        parser.error(f"--checks: unknown {unknown}; choose from {', '.join(CHECKS)}")
     if not torch.cuda.is_available():
-        print("gpu_smoke: no CUDA device; run it on a GPU node", file=sys.stderr)
-        return 2
+        cli.report("gpu_smoke: no CUDA device. Fix: run it on a GPU node")
+        return cli.EXIT_BAD_INPUT
     out = (ROOT / args.out).resolve()
     if out.exists() and any(out.iterdir()):
-        print(f"gpu_smoke: {out} is not empty; pass a new --out", file=sys.stderr)
-        return 2
+        cli.report(f"gpu_smoke: {out} is not empty. Fix: pass a new --out")
+        return cli.EXIT_BAD_INPUT
     out.mkdir(parents=True, exist_ok=True)
     log = out / "smoke.log"
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"

@@ -19,6 +19,16 @@ import sys
 
 from torchrun_self import relaunch
 
+from megatron_train import cli
+
+
+def experiment(args):
+    """The measured run's config: the preset at --seq, with the overrides."""
+    from megatron_train.resolve import build_config
+
+    raw = {"model": {"preset": args.preset, "vocab_size": 32000}, "data": {"seq_length": args.seq}}
+    return build_config(raw, args.overrides)
+
 
 def worker(args) -> None:
     import psutil
@@ -29,11 +39,9 @@ def worker(args) -> None:
     from megatron_train.metrics import peak_memory_gib
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
-    from megatron_train.resolve import build_config
     from megatron_train.step import Stepper
 
-    raw = {"model": {"preset": args.preset, "vocab_size": 32000}, "data": {"seq_length": args.seq}}
-    cfg = build_config(raw, args.overrides)
+    cfg = experiment(args)
     env = runtime.launch_env()
     rt = runtime.initialize(cfg, env)
     on_gpu = rt.device.type == "cuda"
@@ -70,17 +78,19 @@ def worker(args) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--nproc", type=cli.positive_int, default=1)
+    parser.add_argument("--steps", type=cli.positive_int, default=2)
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--seq", type=cli.positive_int, default=512)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return 0
+    if code := cli.run(lambda: experiment(args)):
+        return code
     # Large frees go back to the OS at once, so the peak resident set is the peak of live tensors.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     worker_args = [

@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-from torchrun_self import relaunch
+from torchrun_self import check_config, relaunch
+
+from megatron_train import cli
 
 
 def _time_steps(step_fn, steps: int, warmup: int = 2) -> list[float]:
@@ -145,9 +147,9 @@ def worker(args) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--nproc", type=cli.positive_int, default=8)
+    parser.add_argument("--steps", type=cli.positive_int, default=20)
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
@@ -155,6 +157,8 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if code := check_config(args.config, args.overrides, args.nproc):
+        return code
     return relaunch(
         __file__, args.nproc, [f"--steps={args.steps}", f"--config={args.config}", *args.overrides]
     )

@@ -33,6 +33,10 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megatron_train import cli  # noqa: E402
+
 _MEGATRON_LM_TOKENIZER = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer"}
 
 
@@ -117,18 +121,29 @@ def _summary(runs: list[tuple[float, int]]) -> tuple[float, int] | None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--input", required=True, type=Path, help="a jsonl file (Megatron-LM's format)")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--tokenizer-type", choices=sorted(_MEGATRON_LM_TOKENIZER), default="sentencepiece")
     parser.add_argument("--text-key", default="text")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each tool; the median is shown")
+    parser.add_argument("--workers", type=cli.positive_int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--repeats", type=cli.positive_int, default=3, help="runs of each tool; the median is shown"
+    )
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout to run its tool from")
     parser.add_argument(
         "--megatron-lm-python", default=sys.executable, help="the Python to run it (needs six, triton)"
     )
     args = parser.parse_args()
+    if not args.input.is_file():
+        parser.error(f"--input: no file {str(args.input)!r}")
+    if not Path(args.tokenizer).exists():
+        parser.error(f"--tokenizer: no file or folder {args.tokenizer!r}")
+    if args.megatron_lm and not (args.megatron_lm / "tools" / "preprocess_data.py").is_file():
+        parser.error(
+            f"--megatron-lm: {str(args.megatron_lm)!r} is not a Megatron-LM checkout "
+            "(no tools/preprocess_data.py)"
+        )
     # Megatron-LM's tool runs from its checkout.
     args.input, args.tokenizer = args.input.resolve(), str(Path(args.tokenizer).resolve())
     docs = count_documents(args.input, args.text_key)

@@ -18,6 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_train import cli  # noqa: E402
+
 MODES = {
     "none": [],
     "selective core_attn": ["model.recompute=selective", "model.recompute_modules=[core_attn]"],
@@ -47,14 +49,17 @@ def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     return sum(size for ptr, size in storages.items() if ptr and ptr not in weights)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main() -> int:
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--mbs", type=int, default=1)
+    parser.add_argument("--seq", type=cli.positive_int, default=2048)
+    parser.add_argument("--mbs", type=cli.positive_int, default=1)
     parser.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     args = parser.parse_args()
+    return cli.run(lambda: measure(args))
 
+
+def measure(args) -> None:
     from megatron_train import runtime
     from megatron_train.model import build_model
     from megatron_train.resolve import build_config
@@ -89,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_train import cli  # noqa: E402
+
 # torchtitan 0.3's llama3 "1B": ffn = 1024 * ceil(int(1.5 * int(2 * 4 * 2048 / 3)) / 1024) = 8192.
 LLAMA3_1B = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
                  num_query_groups=8, vocab_size=128256, rotary_base=500000, seq=4096)  # fmt: skip
@@ -54,6 +56,12 @@ def experiment(m: dict, args, te: bool = False):
         "optimizer": {"lr": 1e-4, "warmup_steps": 0},
     }  # fmt: skip
     return build_config(raw, args.set)
+
+
+def _check_experiment(m: dict, args) -> None:
+    from megatron_train.config import validate_options
+
+    validate_options(experiment(m, args), 1)
 
 
 def _timed(step, steps: int, warmup: int, sync, prof=None) -> list[float]:
@@ -401,16 +409,16 @@ def _table(results: dict[str, dict | str], peak: float | None, m: dict, args) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated subset of "
                         + ", ".join(FRAMEWORKS))  # fmt: skip
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model at seq 128 (dry run)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--grad-accum", type=int, default=4)
+    parser.add_argument("--steps", type=cli.positive_int, default=20)
+    parser.add_argument("--warmup", type=cli.non_negative_int, default=5)
+    parser.add_argument("--seq", type=cli.positive_int, default=4096)
+    parser.add_argument("--micro-batch", type=cli.positive_int, default=2)
+    parser.add_argument("--grad-accum", type=cli.positive_int, default=4)
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile: our local layers, torchtitan's, the hf model"
     )
@@ -424,7 +432,9 @@ def main() -> int:
         default=[],
         help="a config override for ours, e.g. model.attention_backend=cudnn (repeatable)",
     )
-    parser.add_argument("--titan-timeout", type=float, default=600, help="seconds torchtitan may take")
+    parser.add_argument(
+        "--titan-timeout", type=cli.positive_float, default=600, help="seconds torchtitan may take"
+    )
     parser.add_argument("--profile", help="write a torch profiler trace of two steps per framework here")
     parser.add_argument("--log-dir", help="keep each framework's full output here")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
@@ -432,6 +442,13 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    names = args.frameworks.split(",")
+    if unknown := [name for name in names if name not in FRAMEWORKS]:
+        parser.error(f"--frameworks: unknown framework {unknown[0]!r}; choose from {', '.join(FRAMEWORKS)}")
+    m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
+    # A bad --set or shape is one line here, not a traceback in each framework's process.
+    if code := cli.run(lambda: _check_experiment(m, args)):
+        return code
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -439,9 +456,7 @@ def main() -> int:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     results: dict[str, dict | str] = {}
     forwarded = sys.argv[1:]
-    for name in args.frameworks.split(","):
-        if name not in FRAMEWORKS:
-            parser.error(f"--frameworks: unknown framework {name!r}; choose from {', '.join(FRAMEWORKS)}")
+    for name in names:
         proc = subprocess.run([sys.executable, __file__, "--worker", name, *forwarded], env=env,
                               capture_output=True, text=True)  # fmt: skip
         if args.log_dir:
@@ -453,7 +468,6 @@ def main() -> int:
             tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
             results[name] = f"did not run: {tail[:200]}"
         print(f"{name}: {results[name] if isinstance(results[name], str) else 'done'}", flush=True)
-    m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
     peak = None
     if args.device == "cuda":
         import torch

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,3 +75,32 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     )
     assert spent.returncode == 1
     assert all("skipped" in line for line in (tmp_path / "spent" / "summary.txt").read_text().splitlines())
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["throughput.py", "--seq", "-5"], "argument --seq: '-5' is not a positive integer"),
+        (["throughput.py", "--frameworks", "ours,megatron"], "unknown framework 'megatron'"),
+        (
+            ["throughput.py", "--tiny", "--device", "cpu", "--set", "model.hidden_size=0"],
+            "'model.hidden_size'",
+        ),
+        (["checkpoint_save.py", "--nproc", "2", "model.num_layers=-1"], "'model.num_layers'"),
+        (["overhead.py", "--nproc", "0"], "argument --nproc: '0' is not a positive integer"),
+        (["memory_model.py", "--preset", "llama9"], "unknown preset 'llama9'"),
+        (["recompute_memory.py", "--preset", "tiny", "model.bogus=1"], "'model.bogus': unknown key"),
+        (["cross_entropy_memory.py", "--repeats", "0"], "argument --repeats"),
+        (["convert_memory.py", "--workdir", "/nonexistent"], "--workdir: no folder"),
+        (["preprocess_throughput.py", "--input", "missing.jsonl", "--tokenizer", "x"], "--input: no file"),
+    ],
+)
+def test_a_bad_benchmark_argument_is_one_error_line_before_anything_runs(argv, says):
+    script, *args = argv
+    result = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], result.stderr[-2000:]
+    assert result.stdout == ""
