@@ -8,12 +8,29 @@ import os
 import subprocess
 import sys
 import types
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse a ``--dist loadgroup`` run that would ignore the ``xdist_group`` marks: the
+    module-scoped reference runs would be built on both workers and two Slurm test clusters would
+    collide, failing tests at random rather than at once."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    pytest_version = Version(metadata.version("pytest"))
+    xdist_version = Version(metadata.version("pytest-xdist"))
+    if pytest_version >= Version("9.2") and xdist_version <= Version("3.8.0"):
+        raise pytest.UsageError(
+            f"pytest {pytest_version} with pytest-xdist {xdist_version} ignores xdist_group marks under "
+            "--dist loadgroup (pytest-dev/pytest-xdist#1386). Fix: make install (pyproject pins pytest<9.2)."
+        )
 
 
 def torchrun(nproc: int, config: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
