@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,10 @@ import pytest
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "tools" / "build_wheelhouse.sh"
+# The floor the script states is pyproject's own: 11 for ">=3.11".
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+FLOOR = int(PYPROJECT["project"]["requires-python"].removeprefix(">=3."))
+TOO_OLD = f"3.{FLOOR - 1}"
 
 
 def _build(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -23,8 +28,8 @@ def _build(cwd: Path, *args: str) -> subprocess.CompletedProcess:
         (["--python", "3.12", "--out"], "--out needs a value"),
         (["--with-te"], "--with-te needs a value"),
         (["--python", "3"], "--python wants a version such as 3.12, got '3'"),
-        (["--python", "3.10"], "--python 3.10: megatron-train needs Python 3.11 or newer"),
-        (["--python", "3.08"], "--python 3.08: megatron-train needs Python 3.11 or newer"),
+        (["--python", TOO_OLD], f"--python {TOO_OLD}: megatron-train needs Python 3.{FLOOR} or newer"),
+        (["--python", "3.08"], f"--python 3.08: megatron-train needs Python 3.{FLOOR} or newer"),
         (["--with-te", "cu11"], "--with-te takes cu12 or cu13, got 'cu11'"),
         (["--with-torchtitan", "latest"], "--with-torchtitan wants a release such as 0.2.2"),
         (["--node-freeze", "missing.txt"], "--node-freeze: no file"),

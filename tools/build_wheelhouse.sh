@@ -34,7 +34,10 @@ while [ $# -gt 0 ]; do
     esac
 done
 if [[ ! "$PYV" =~ ^3\.([0-9]+)$ ]]; then refuse "--python wants a version such as 3.12, got '$PYV'" "give the node's 'python3 --version' without the patch number"; fi
-if (( 10#${BASH_REMATCH[1]} < 11 )); then refuse "--python $PYV: megatron-train needs Python 3.11 or newer" "build for a node Python of 3.11 or newer (NGC images have 3.12)"; fi
+MINOR=${BASH_REMATCH[1]}
+# The floor is pyproject's requires-python, so the two cannot drift apart.
+FLOOR=$(sed -n 's/^requires-python = ">=3\.\([0-9]*\)".*/\1/p' "$(dirname "$0")/../pyproject.toml")
+if (( 10#$MINOR < FLOOR )); then refuse "--python $PYV: megatron-train needs Python 3.$FLOOR or newer" "build for a node Python of 3.$FLOOR or newer (NGC images have 3.12)"; fi
 if [ -n "$TE" ] && [ "$TE" != cu12 ] && [ "$TE" != cu13 ]; then
     refuse "--with-te takes cu12 or cu13, got '$TE'" "give the node's CUDA major version (torch.version.cuda there)"
 fi
