@@ -10,14 +10,17 @@ failure names the first failed rank and exits 1.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import determine_local_world_size, parse_args, run
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+from torch.distributed.run import determine_local_world_size, get_args_parser, parse_min_max_nnodes, run
 
 from megatron_train import cli
 from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
@@ -63,20 +66,57 @@ def failure_line(err: ChildFailedError) -> str:
     return f"rank {rank} was killed by {name}{who} before any other rank failed"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """torchrun's arguments, with a usage mistake as one line (torchrun prints its whole usage)."""
+    parser = get_args_parser()
+
+    def usage_error(message: str) -> NoReturn:
+        cli.report(f"{message}. Fix: see python -m megatron_train.torchrun --help")
+        sys.exit(cli.EXIT_BAD_INPUT)
+
+    parser.error = usage_error
+    return parser.parse_args(argv)
+
+
+def launch_problem(args: argparse.Namespace) -> str | None:
+    """What in torchrun's arguments it would meet with a traceback before starting any rank."""
     try:
         local_world_size = determine_local_world_size(args.nproc_per_node)
+        problem = f"{local_world_size} ranks per node"
     except ValueError as err:
         local_world_size, problem = 0, str(err).rstrip(".")
-    else:
-        problem = f"{local_world_size} ranks per node"
     if local_world_size < 1:
-        cli.report(
-            f"--nproc-per-node {args.nproc_per_node}: {problem}. Fix: give the number of ranks "
-            "per node (one per GPU)"
+        return (
+            f"--nproc-per-node {args.nproc_per_node}: {problem}. Fix: give the number of ranks per node "
+            "(one per GPU)"
         )
+    try:
+        min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        min_nodes = max_nodes = 0
+    if not 0 < min_nodes <= max_nodes:
+        return f"--nnodes {args.nnodes}: not a node count. Fix: give N, or MIN:MAX with 1 <= MIN <= MAX"
+    if args.max_restarts < 0:
+        return f"--max-restarts {args.max_restarts}: below 0. Fix: give 0 (no restart) or more"
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        return f"--master-port {args.master_port}: not a port. Fix: use a free port from 1 to 65535"
+    if args.rdzv_endpoint and not args.standalone:
+        try:
+            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        except ValueError as err:
+            return (
+                f"--rdzv-endpoint {args.rdzv_endpoint}: {str(err).rstrip('.')}. Fix: give HOST or HOST:PORT"
+            )
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    problem = launch_problem(args)
+    if problem:
+        cli.report(problem)
         return cli.EXIT_BAD_INPUT
+    local_world_size = determine_local_world_size(args.nproc_per_node)
     # torchrun sets one OpenMP thread per rank itself when several share a node, with a banner
     # above the ranks' output (and above a one-line error) saying so.
     if local_world_size > 1:

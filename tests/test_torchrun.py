@@ -67,11 +67,30 @@ def test_the_local_launcher_refuses_a_rank_count_it_cannot_start(args, says):
     assert len(result.stderr.splitlines()) == 1
 
 
+TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
+
+
 @pytest.mark.parametrize(
-    ("nproc", "says"), [("0", "0 ranks per node"), ("two", "Unsupported nproc_per_node")]
+    ("args", "says"),
+    [
+        (["--nproc-per-node", "0", *TRAIN], "--nproc-per-node 0: 0 ranks per node"),
+        (["--nproc-per-node", "two", *TRAIN], "--nproc-per-node two: Unsupported nproc_per_node"),
+        # torchrun's own answers: an AssertionError, a ValueError deep in its rendezvous, its usage
+        (["--nnodes", "0", *TRAIN], "--nnodes 0: not a node count"),
+        (["--nnodes", "2:1", *TRAIN], "--nnodes 2:1: not a node count"),
+        (["--max-restarts", "-1", *TRAIN], "--max-restarts -1: below 0"),
+        (["--master-port", "99999", *TRAIN], "--master-port 99999: not a port"),
+        (["--nnodes", "2", "--rdzv-endpoint", "host:port", *TRAIN], "--rdzv-endpoint host:port"),
+        (["--standalone", "--bogus", *TRAIN], "unrecognized arguments: --bogus"),
+        ([], "the following arguments are required: training_script"),
+    ],
 )
-def test_torchrun_refuses_a_rank_count_in_one_line(nproc, says, capsys):
-    assert main(["--nproc-per-node", nproc, "-m", "megatron_train.train"]) == 2
+def test_torchrun_refuses_its_own_bad_arguments_in_one_line_before_any_rank(args, says, capsys):
+    try:
+        code = main(args)
+    except SystemExit as exit_:  # a usage mistake, reported by the argument parser
+        code = exit_.code
+    assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --nproc-per-node {nproc}: ") and says in err
+    assert err.startswith(f"error: {says}"), err
     assert len(err.splitlines()) == 1
