@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -45,12 +46,38 @@ def report_once(err: BaseException | str) -> None:
     report(f"rank {launcher_rank()} on {node_name()}: {err}")
 
 
+class _StoreOnce(argparse.Action):
+    """Stores an option's value and refuses a second one: argparse keeps the last without a word,
+    so ``--config a.yaml --config b.yaml`` trained b.yaml where its user may have meant both."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values, option_string=None
+    ):
+        if option_string is not None:
+            if self.dest in parser.given:
+                first, then = (
+                    os.fspath(v) if isinstance(v, os.PathLike) else v
+                    for v in (parser.given[self.dest], values)
+                )
+                raise argparse.ArgumentError(self, f"given twice ({first!r}, then {then!r}); give it once")
+            parser.given[self.dest] = values
+        setattr(namespace, self.dest, values)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a usage mistake reported as one line (not the usage text) and exit code 2."""
+    """argparse, with a usage mistake reported as one line (not the usage text) and exit code 2,
+    and an option given twice refused rather than its last value taken."""
 
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(**kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.given: dict[str, object] = {}
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.given = {}
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         report_once(f"{message}. Fix: see {self.prog} --help")

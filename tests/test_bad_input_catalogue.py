@@ -327,6 +327,20 @@ CASES = [
         _write("c.yaml", "model: {preset: tiny}\ntrain: {steps: 2}\nmodel: {preset: small}\n"),
     ),
     Case("override-no-equals", "train", _train("train.steps"), "key.sub=value"),
+    # argparse kept the last of an option given twice
+    Case("config-given-twice", "train", _train("--config", "WS/cfg.yaml"), "argument --config: given twice"),
+    Case(
+        "generate-prompt-given-twice",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt", "def", "--prompt", "class"),
+        "argument --prompt: given twice ('def', then 'class')",
+    ),
+    Case(
+        "export-hf-out-given-twice",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/a", "--out", "WS/cases/b"),
+        "argument --out: given twice",
+    ),
     Case(
         "recompute-modules-without-selective",
         "train",
