@@ -290,6 +290,7 @@ FRESH = "logging.run_dir=WS/cases/fresh_run"  # a run that must not be created b
 CASES = [
     # train: the config file itself
     Case("config-missing", "train", _train(config="nope.yaml"), "does not exist"),
+    Case("config-a-device", "train", _train(config="/dev/null"), "'/dev/null' is not a regular file"),
     Case("config-is-dir", "train", _train(config="corpus"), "is a directory"),
     Case(
         "config-syntax",
