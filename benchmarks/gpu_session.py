@@ -4,7 +4,8 @@
     python benchmarks/gpu_session.py --out /tmp/dry --cpu                # dry run of every step here
 
 On the node: the checkout, and wheelhouse/ from ``tools/build_wheelhouse.sh --python 3.12
---node-freeze F --with-torchtitan 0.2.2`` (installed first unless megatron-core already imports).
+--node-freeze benchmarks/gpu_node_freeze.txt --with-torchtitan 0.2.2 --out wheelhouse`` (installed
+first unless megatron-core already imports; the freeze is the lent GPU image's ``pip list``).
 A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
 this script runs the whole plan in one command. Each step is a real command line (the offline
 install, benchmarks/throughput.py eager and compiled, benchmarks/gpu_smoke.py,
@@ -56,13 +57,14 @@ def plan(cpu: bool) -> list[Step]:
     steps.append(
         Step("throughput_eager", 300, [py, "benchmarks/throughput.py", "--frameworks", frameworks, *tiny])
     )
+    compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
+    steps.append(Step("throughput_compiled", 300, [py, "benchmarks/throughput.py", *compiled, *tiny]))
     if not cpu:
+        # Measured on a GPU before (README), so it comes after the rows never measured.
         # Its runs and checkpoints stay on the node; only its log comes back.
         runs = tempfile.mkdtemp(prefix="gpu_smoke-")
         smoke = [py, "benchmarks/gpu_smoke.py", "--out", f"{runs}/runs", "--checks", "demo,resume"]
         steps.append(Step("smoke", 240, smoke))
-    compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
-    steps.append(Step("throughput_compiled", 300, [py, "benchmarks/throughput.py", *compiled, *tiny]))
     ce = ["--seq", "64", "--vocab", "512", "--repeats", "1"] if cpu else []
     steps.append(Step("cross_entropy_memory", 150, [py, "benchmarks/cross_entropy_memory.py", *ce]))
     return steps
