@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -17,8 +19,19 @@ FLOOR = int(PYPROJECT["project"]["requires-python"].removeprefix(">=3."))
 TOO_OLD = f"3.{FLOOR - 1}"
 
 
-def _build(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+def _build(cwd: Path, *args: str, python: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": python} if python else None
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: build_wheelhouse.sh: ") and "Fix: " in lines[0]
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -47,11 +60,19 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path, args, says):
 
     result = _build(tmp_path, *args)
 
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: build_wheelhouse.sh: ") and "Fix: " in lines[0]
-    assert says in lines[0]
+    assert says in _one_line(result)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     # Where the script would have put them before: relative to the repository.
     assert not (ROOT / "taken").exists() and not (ROOT / "wheelhouse").exists()
+
+
+def test_a_python_that_cannot_build_the_wheel_is_named_before_anything_is_fetched(tmp_path):
+    # A venv without pip has no setuptools: pip's own answer would be many lines, after the downloads.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    bare = str(tmp_path / "bare" / "bin" / "python")
+
+    line = _one_line(_build(tmp_path, "--out", "wh", python=bare))
+    assert f"'{bare}' cannot build a wheel: it needs setuptools >= 70.1" in line
+    line = _one_line(_build(tmp_path, "--out", "wh", python=str(tmp_path / "missing")))
+    assert "does not run" in line
+    assert not (tmp_path / "wh").exists()

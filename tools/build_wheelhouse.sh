@@ -56,6 +56,11 @@ if [ -e "$OUT" ] || [ -L "$OUT" ]; then refuse "'$OUT' exists" "remove it or pic
 [[ -z "$FREEZE" || "$FREEZE" = /* ]] || FREEZE="$PWD/$FREEZE"
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+"$PY" -c "" 2>/dev/null || refuse "PYTHON '$PY' does not run" "set PYTHON to a Python 3, or run make wheelhouse (it uses the venv's)"
+# megatron-train's own wheel is built with this Python's setuptools (no build isolation):
+# bdist_wheel is part of setuptools from 70.1 and came from the 'wheel' package before.
+"$PY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('setuptools') and (u.find_spec('setuptools.command.bdist_wheel') or u.find_spec('wheel'))))" 2>/dev/null \
+    || refuse "'$PY' cannot build a wheel: it needs setuptools >= 70.1, or an older one with the 'wheel' package" "run make wheelhouse (it uses the venv's Python), or set PYTHON to a Python that has them"
 "$PY" -m uv --version >/dev/null 2>&1 || "$PY" -m pip install -q uv
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
