@@ -14,6 +14,14 @@ and a step that fails or runs out of time does not stop the next. Every step's o
 ``OUT/<step>.log`` and a table of what ran, how long and how it ended to ``OUT/summary.txt``,
 so what a cut-short session measured still comes back. ``--cpu`` runs the same steps at the tiny
 shape on this machine, leaving out the GPU smoke test (it needs CUDA).
+
+A wheelhouse built ``--with-te cu13`` makes the plan Transformer Engine's: the install compiles
+TE's torch extension against the node's torch (capped at 480 s), then the TE row, then ours beside
+it. That wheelhouse is 204 MB (TE's core wheel alone 179 MB), more than one device call carries
+(64 MiB), so it travels as a tar in parts to a warm machine, one call each
+(``tar -cf - -C wheelhouse . | split -b 52M - te.``): each call copies its part under /tmp, and
+the last one joins them into wheelhouse/ (``cat /tmp/te/te.* | tar -xf - -C wheelhouse``) and runs
+this script.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ class Step:
     argv: list[str]
 
 
-def plan(cpu: bool) -> list[Step]:
+def plan(cpu: bool, wheelhouse: Path = ROOT / "wheelhouse") -> list[Step]:
     py = sys.executable
     # The CPU dry run: every script and flag the GPU run uses, at the tiny shape.
     tiny = (
@@ -49,21 +57,32 @@ def plan(cpu: bool) -> list[Step]:
         if cpu
         else ["--steps", "10", "--warmup", "3"]
     )
-    frameworks = "ours" if cpu else "ours,hf,torchtitan"
+    # A wheelhouse built --with-te makes this Transformer Engine's session: its torch extension
+    # compiles in the install step (minutes), and the TE row comes first, ours beside it in its own
+    # step so that each table is printed even if the budget runs out before the other.
+    te = not cpu and any(wheelhouse.glob("transformer_engine_torch-*.tar.gz"))
     steps = []
-    install = ROOT / "wheelhouse" / "install.sh"
-    if install.exists() and not _imports("megatron.core"):
-        steps.append(Step("install", 240, ["env", f"PYTHON={py}", "bash", str(install)]))
+    install = wheelhouse / "install.sh"
+    missing = not _imports("megatron.core") or (te and not _imports("transformer_engine.pytorch"))
+    if install.exists() and missing:
+        steps.append(Step("install", 480 if te else 240, ["env", f"PYTHON={py}", "bash", str(install)]))
+    if te:
+        steps.append(
+            Step("throughput_te", 240, [py, "benchmarks/throughput.py", "--frameworks", "ours-te", *tiny])
+        )
+    frameworks = "ours" if cpu or te else "ours,hf,torchtitan"
     steps.append(
         Step("throughput_eager", 300, [py, "benchmarks/throughput.py", "--frameworks", frameworks, *tiny])
     )
-    compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
-    steps.append(Step("throughput_compiled", 300, [py, "benchmarks/throughput.py", *compiled, *tiny]))
+    if not te:
+        # TE fuses its own kernels; the compiled rows of the local spec are the other sessions'.
+        compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
+        steps.append(Step("throughput_compiled", 300, [py, "benchmarks/throughput.py", *compiled, *tiny]))
     if not cpu:
         # Measured on a GPU before (README), so it comes after the rows never measured.
         # Its runs and checkpoints stay on the node; only its log comes back.
-        runs = tempfile.mkdtemp(prefix="gpu_smoke-")
-        smoke = [py, "benchmarks/gpu_smoke.py", "--out", f"{runs}/runs", "--checks", "demo,resume"]
+        runs = Path(tempfile.gettempdir(), f"gpu_smoke-{os.getpid()}-{time.time_ns()}")
+        smoke = [py, "benchmarks/gpu_smoke.py", "--out", str(runs), "--checks", "demo,resume"]
         steps.append(Step("smoke", 240, smoke))
     ce = ["--seq", "64", "--vocab", "512", "--repeats", "1"] if cpu else []
     steps.append(Step("cross_entropy_memory", 150, [py, "benchmarks/cross_entropy_memory.py", *ce]))
@@ -100,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for the logs and summary.txt (made if missing)")
     parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole plan")
     parser.add_argument("--cpu", action="store_true", help="dry run at the tiny shape on this machine")
+    parser.add_argument(
+        "--wheelhouse", type=Path, default=ROOT / "wheelhouse", help="the offline install kit (if there)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     rows = []
-    for step in plan(args.cpu):
+    for step in plan(args.cpu, args.wheelhouse):
         left = deadline - time.monotonic()
         if left < MIN_STEP_S:
             rows.append((step.name, 0.0, f"skipped ({left:.0f} s of the budget left)"))

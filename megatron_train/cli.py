@@ -52,7 +52,7 @@ class _StoreOnce(argparse.Action):
 
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values, option_string=None
-    ):
+    ) -> None:
         if option_string is not None:
             if self.dest in parser.given:
                 first, then = (

@@ -1,5 +1,6 @@
 """The benchmarks' CPU dry runs: every path each can run here, end to end."""
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -46,6 +47,36 @@ def test_preprocess_benchmark_prints_our_row(corpus):
     assert re.search(r"^\s+1 ours\s+[\d.]+\s+\d+\s+\d+", result.stdout, re.MULTILINE), result.stdout
     for row in ("tokenizer", "whole texts"):
         assert re.search(rf"^\s+1 {row}\s+[\d.]+\s+\d+", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_row_first(
+    tmp_path, monkeypatch
+):
+    """A wheelhouse built --with-te turns the GPU plan into Transformer Engine's: a longer install
+    (the extension compiles there), the TE row in a step of its own before ours, no compiled rows."""
+    spec = importlib.util.spec_from_file_location("gpu_session", ROOT / "benchmarks" / "gpu_session.py")
+    session = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_session", session)  # its dataclass looks itself up there
+    spec.loader.exec_module(session)
+    (tmp_path / "install.sh").write_text("")
+    sdist = tmp_path / "transformer_engine_torch-2.11.0.tar.gz"
+    sdist.write_bytes(b"")
+
+    def frameworks(step) -> str:
+        return step.argv[step.argv.index("--frameworks") + 1]
+
+    steps = session.plan(cpu=False, wheelhouse=tmp_path)
+    names = [step.name for step in steps]
+    # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
+    assert names == ["install", "throughput_te", "throughput_eager", "smoke", "cross_entropy_memory"]
+    assert steps[0].cap_s > 240
+    assert frameworks(steps[1]) == "ours-te" and frameworks(steps[2]) == "ours"
+
+    sdist.unlink()
+    steps = session.plan(cpu=False, wheelhouse=tmp_path)
+    names = [step.name for step in steps]
+    assert names == ["throughput_eager", "throughput_compiled", "smoke", "cross_entropy_memory"]
+    assert frameworks(steps[0]) == "ours,hf,torchtitan"
 
 
 def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_path):
