@@ -17,6 +17,7 @@ import signal
 import sys
 from typing import NoReturn
 
+import torch
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -89,6 +90,15 @@ def launch_problem(args: argparse.Namespace) -> str | None:
         return (
             f"--nproc-per-node {args.nproc_per_node}: {problem}. Fix: give the number of ranks per node "
             "(one per GPU)"
+        )
+    # torchrun leaves CUDA_VISIBLE_DEVICES alone, so every rank here sees these GPUs and takes
+    # LOCAL_RANK % count: two would share one, which NCCL refuses with a traceback per rank.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if 0 < gpus < local_world_size:
+        return (
+            f"--nproc-per-node {args.nproc_per_node}: {local_world_size} ranks for the {gpus} GPU(s) this "
+            f"node shows, and NCCL runs one rank per GPU. Fix: start at most {gpus} ranks per node "
+            "(launch/local.sh with no count starts one per GPU)"
         )
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
