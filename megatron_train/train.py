@@ -198,7 +198,26 @@ def report_exit_status(code: int) -> None:
     if path and cli.first_rank():
         from megatron_train.checkpoint.files import write_atomic
 
-        write_atomic(Path(path), f"{code}\n")
+        # A folder that was not writable at the start has been reported (check_exit_status_file).
+        with contextlib.suppress(OSError):
+            write_atomic(Path(path), f"{code}\n")
+
+
+def check_exit_status_file() -> None:
+    """``$MEGATRON_TRAIN_EXIT_STATUS_FILE`` can be written at the end: its folder is a writable
+    directory. Otherwise the launcher would learn nothing of how the run ended."""
+    path = os.environ.get("MEGATRON_TRAIN_EXIT_STATUS_FILE")
+    if not path:
+        return
+    folder = Path(path).parent
+    if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
+        raise ConfigError(
+            "MEGATRON_TRAIN_EXIT_STATUS_FILE",
+            f"{path!r} is in {str(folder)!r}, which is not a writable directory, so the launcher would "
+            "not learn how the run ended",
+            "unset it (launch/slurm/pretrain.sbatch sets it in its log folder) or point it into a "
+            "writable folder",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +235,7 @@ def _main(argv: list[str] | None) -> int:
         cli.report(err)
         return EXIT_BAD_CONFIG
     try:
+        check_exit_status_file()
         cfg = resolve(args.config, args.overrides, env.world_size)
         check_fits_this_node(cfg, env.world_size, env.local_rank, env.local_world_size)
     except BAD_INPUT as err:

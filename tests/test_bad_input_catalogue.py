@@ -647,6 +647,13 @@ CASES = [
         "'MEGATRON_TRAIN_DIST_TIMEOUT_MIN'",
         env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "ten"},
     ),
+    Case(
+        "launch-exit-status-folder-missing",
+        "train",
+        _train(FRESH),
+        "'/nonexistent-folder', which is not a writable directory",
+        env={"MEGATRON_TRAIN_EXIT_STATUS_FILE": "/nonexistent-folder/exit-status"},
+    ),
     # train: checkpoints to resume from (the existing run must stay as it was)
     Case(
         "resume-other-architecture",
