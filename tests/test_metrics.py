@@ -38,3 +38,26 @@ def test_a_start_drops_the_records_of_the_steps_it_redoes(tmp_path, start, kept)
     assert [
         json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
     ] == kept
+
+
+def test_wandb_offline_run_receives_every_record_of_metrics_jsonl(tmp_path):
+    """logging.wandb: one offline wandb run in <run_dir>/wandb holding each value the interval and
+    validation records hold (the run file stores each as its JSON text)."""
+    cfg = build_config({"train": {"steps": 2}, "model": {"vocab_size": 256}, "logging": {"wandb": True}})
+    log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
+    log.open(0)
+    log.log_train(1, tokens=4096, loss=7.125, lr=1.5e-4, grad_norm=0.8125, step_time=0.25, skipped=0)
+    log.log_validation(1, val_loss=6.9375)
+    log.log_train(2, tokens=8192, loss=6.5, lr=3e-4, grad_norm=0.6875, step_time=0.5, skipped=1)
+    log.close()
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 1, 2]
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    stored = runs[0].read_bytes()
+    for record in records:
+        for key, value in record.items():
+            # wandb writes a whole float as an integer: 8192.0 as 8192.
+            text = json.dumps(int(value) if isinstance(value, float) and value.is_integer() else value)
+            assert key.encode() in stored and text.encode() in stored, (key, value)
