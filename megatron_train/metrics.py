@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from megatron_train.config import ExperimentConfig, to_dict
+from megatron_train.config import ConfigError, ExperimentConfig, to_dict
 from megatron_train.models.registry import family_of
 
 # Dense bf16 peak per GPU (TFLOP/s), for MFU; the first key found in torch.cuda.get_device_name()
@@ -44,6 +44,28 @@ def peak_memory_gib() -> float:
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def check_wandb_login(cfg: ExperimentConfig) -> None:
+    """An online wandb run has credentials to start with: without them ``wandb.init`` raises on
+    rank 0 once the run directory has been written. Read as ``wandb login`` would (the
+    environment, wandb's settings, ~/.netrc), without asking or contacting the server."""
+    if not (cfg.logging.wandb and cfg.logging.wandb_mode == "online"):
+        return
+    import wandb
+
+    fix = (
+        "run `wandb login` (or export WANDB_API_KEY) where the job runs, or set "
+        "logging.wandb_mode=offline and sync later with `wandb sync`"
+    )
+    try:
+        logged_in = wandb.login(prompt=False, verify=False)
+    except wandb.errors.Error as err:
+        raise ConfigError("logging.wandb_mode", f"is online but {str(err).rstrip('.')}", fix) from None
+    if not logged_in:
+        raise ConfigError(
+            "logging.wandb_mode", "is online but wandb finds no API key here (WANDB_API_KEY, ~/.netrc)", fix
+        )
 
 
 class MetricsLogger:

@@ -654,6 +654,21 @@ CASES = [
         "'/nonexistent-folder', which is not a writable directory",
         env={"MEGATRON_TRAIN_EXIT_STATUS_FILE": "/nonexistent-folder/exit-status"},
     ),
+    # wandb.init raises on rank 0 after the run directory is written; a tty would even prompt.
+    Case(
+        "wandb-online-without-a-key",
+        "train",
+        _train(FRESH, "logging.wandb=true", "logging.wandb_mode=online"),
+        "'logging.wandb_mode': is online but wandb finds no API key here",
+        env={"WANDB_API_KEY": None, "NETRC": "/nonexistent-netrc"},
+    ),
+    Case(
+        "wandb-online-with-a-malformed-key",
+        "train",
+        _train(FRESH, "logging.wandb=true", "logging.wandb_mode=online"),
+        "is online but WANDB_API_KEY invalid",
+        env={"WANDB_API_KEY": "abc"},
+    ),
     # train: checkpoints to resume from (the existing run must stay as it was)
     Case(
         "resume-other-architecture",
