@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import resource
@@ -59,13 +61,44 @@ def check_wandb_login(cfg: ExperimentConfig) -> None:
         "logging.wandb_mode=offline and sync later with `wandb sync`"
     )
     try:
-        logged_in = wandb.login(prompt=False, verify=False)
+        # Its notes on where it found the key would stand above the run's own lines (or error).
+        with contextlib.redirect_stderr(io.StringIO()):
+            logged_in = wandb.login(prompt=False, verify=False)
     except wandb.errors.Error as err:
         raise ConfigError("logging.wandb_mode", f"is online but {str(err).rstrip('.')}", fix) from None
     if not logged_in:
         raise ConfigError(
             "logging.wandb_mode", "is online but wandb finds no API key here (WANDB_API_KEY, ~/.netrc)", fix
         )
+
+
+def _start_wandb(cfg: ExperimentConfig, run_dir: Path):
+    """The wandb run, or a ConfigError saying why wandb could not start one (a server it cannot
+    reach, a key the server refuses): wandb's own error is a traceback, after its timeout."""
+    import wandb
+
+    # Its lines (the run's name and link) are shown once it has started: a failed start's would
+    # stand above the one-line error.
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            run = wandb.init(
+                project=cfg.logging.wandb_project,
+                dir=str(run_dir),
+                mode=cfg.logging.wandb_mode,
+                config=to_dict(cfg),
+            )
+        sys.stderr.write(said.getvalue())
+        return run
+    except wandb.errors.Error as err:
+        why = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            "logging.wandb",
+            f"wandb could not start a{'n' if cfg.logging.wandb_mode == 'online' else ''} "
+            f"{cfg.logging.wandb_mode} run: {why}",
+            "check that the nodes reach the wandb server (WANDB_BASE_URL) with a valid key, or set "
+            "logging.wandb_mode=offline and sync later with `wandb sync`",
+        ) from None
 
 
 class MetricsLogger:
@@ -89,6 +122,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.logging.wandb:
+            # First, so that a wandb that cannot start leaves a resumed run's files as they were.
+            self._wandb = _start_wandb(self.cfg, self.run_dir)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
@@ -104,15 +140,6 @@ class MetricsLogger:
             tmp.write_text("".join(kept))
             tmp.replace(path)
         self._file = open(path, "a")
-        if self.cfg.logging.wandb:
-            import wandb
-
-            self._wandb = wandb.init(
-                project=self.cfg.logging.wandb_project,
-                dir=str(self.run_dir),
-                mode=self.cfg.logging.wandb_mode,
-                config=to_dict(self.cfg),
-            )
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

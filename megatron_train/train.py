@@ -89,6 +89,19 @@ def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: b
         log.info(note)
 
 
+def _open_log(log, step: int, rt: runtime.Runtime) -> None:
+    """Open the run's logs (rank 0 writes them); a wandb that cannot start there stops every rank,
+    which would otherwise wait for rank 0 in the first step's collectives."""
+    outcome: list = [None]
+    try:
+        log.open(step)
+    except ConfigError as err:
+        outcome = [err]
+    torch.distributed.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], ConfigError):
+        raise outcome[0]
+
+
 def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer) -> int:
     """The body of :func:`train`: model, resume, data, then the step loop; returns the exit code."""
     from megatron.core import parallel_state
@@ -123,7 +136,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     shared_folders.check_shared([(save_key, checkpoint_dir(cfg)), (cache_key, cache_dir)], rt.rank)
     # Only now, with every input checked, does the run directory change.
     _hold_run_folders(cfg, rt, log, create=True)
-    log.open(progress.iteration)
+    _open_log(log, progress.iteration, rt)
     checkpointer.start_writer()
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
     dp = parallel_state.get_data_parallel_world_size()

@@ -1,11 +1,14 @@
 """FLOPs and MFU accounting, and the records a start keeps."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from megatron_train.metrics import MetricsLogger, flops_per_token
 from megatron_train.resolve import build_config
+from tests.conftest import ROOT, torchrun_env, write_config
 
 
 def test_flops_per_token_counts_causal_attention_half_for_llama3_8b_at_8k():
@@ -61,3 +64,32 @@ def test_wandb_offline_run_receives_every_record_of_metrics_jsonl(tmp_path):
             # wandb writes a whole float as an integer: 8192.0 as 8192.
             text = json.dumps(int(value) if isinstance(value, float) and value.is_integer() else value)
             assert key.encode() in stored and text.encode() in stored, (key, value)
+
+
+@pytest.mark.slow
+def test_a_wandb_server_out_of_reach_stops_every_rank_in_one_line_and_leaves_the_run_files(tmp_path, corpus):
+    """wandb.init on rank 0 fails after its timeout; the other ranks, already past every check,
+    must not wait for it in the first step, and the run's own files stay as they were."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("the config of an earlier start\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, run_dir, logging={"wandb": True, "wandb_mode": "online"}
+    )
+    env = {
+        **torchrun_env(),
+        "WANDB_API_KEY": "0" * 40,  # well-formed, so the start gets as far as wandb.init
+        "WANDB_BASE_URL": "http://127.0.0.1:9",  # the discard port: nothing listens
+        "WANDB_INIT_TIMEOUT": "1",
+    }
+    launch = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2",
+              "-m", "megatron_train.train", "--config", str(config)]  # fmt: skip
+    result = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "'logging.wandb': wandb could not start an online run" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert (run_dir / "config.yaml").read_text() == "the config of an earlier start\n"
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
