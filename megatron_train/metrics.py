@@ -94,8 +94,7 @@ def _start_wandb(cfg: ExperimentConfig, run_dir: Path):
         why = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
         raise ConfigError(
             "logging.wandb",
-            f"wandb could not start a{'n' if cfg.logging.wandb_mode == 'online' else ''} "
-            f"{cfg.logging.wandb_mode} run: {why}",
+            f"wandb could not start its {cfg.logging.wandb_mode} run: {why}",
             "check that the nodes reach the wandb server (WANDB_BASE_URL) with a valid key, or set "
             "logging.wandb_mode=offline and sync later with `wandb sync`",
         ) from None
