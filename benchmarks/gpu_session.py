@@ -63,8 +63,10 @@ def plan(cpu: bool, wheelhouse: Path = ROOT / "wheelhouse") -> list[Step]:
     te = not cpu and any(wheelhouse.glob("transformer_engine_torch-*.tar.gz"))
     steps = []
     install = wheelhouse / "install.sh"
-    missing = not _imports("megatron.core") or (te and not _imports("transformer_engine.pytorch"))
-    if install.exists() and missing:
+    # The probes (a subprocess each) only where there is something to install.
+    if install.exists() and (
+        not _imports("megatron.core") or (te and not _imports("transformer_engine.pytorch"))
+    ):
         steps.append(Step("install", 480 if te else 240, ["env", f"PYTHON={py}", "bash", str(install)]))
     if te:
         steps.append(

@@ -619,16 +619,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_yaml(path: str | Path) -> dict:
     """A YAML config file as plain data."""
     path = Path(path)
-    if not path.is_file():
-        if path.exists() and not path.is_dir():
-            # Every rank reads the config: a pipe (bash's <(...)) would give it to one rank only.
-            raise ConfigError(
-                "--config",
-                f"{str(path)!r} is not a regular file (a device or a pipe, which one rank alone could read)",
-                "write the config to a file and pass its path",
-            )
+    if path.is_dir() or not path.exists():
         problem = "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError("--config", f"{str(path)!r} {problem}", "pass an existing YAML file")
+    if not path.is_file():
+        # Every rank reads the config: a pipe (bash's <(...)) would give it to one rank only.
+        raise ConfigError(
+            "--config",
+            f"{str(path)!r} is not a regular file (a device or a pipe, which one rank alone could read)",
+            "write the config to a file and pass its path",
+        )
     try:
         raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:

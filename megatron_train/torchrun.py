@@ -93,7 +93,7 @@ def launch_problem(args: argparse.Namespace) -> str | None:
         )
     # torchrun leaves CUDA_VISIBLE_DEVICES alone, so every rank here sees these GPUs and takes
     # LOCAL_RANK % count: two would share one, which NCCL refuses with a traceback per rank.
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()
     if 0 < gpus < local_world_size:
         return (
             f"--nproc-per-node {args.nproc_per_node}: {local_world_size} ranks for the {gpus} GPU(s) this "

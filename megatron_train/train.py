@@ -14,7 +14,9 @@ import faulthandler
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import yaml
@@ -66,40 +68,42 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
         log.close()
 
 
-def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> None:
-    """Lock the run directory and save dir against a second run (``run_lock``): those that exist,
-    or, with ``create``, both after making them. Rank 0 decides and every rank agrees."""
-    outcome: list = [[]]
+T = TypeVar("T")
+
+
+def _main_rank_decides(rt: runtime.Runtime, work: Callable[[], T]) -> T:
+    """``work``'s result on rank 0, given to every rank; a ConfigError it raises is raised on every
+    rank, which would otherwise wait for rank 0 in their next collective."""
+    outcome: list = [None]
     if rt.is_main:
         try:
-            for key, folder in (
-                ("logging.run_dir", Path(cfg.logging.run_dir)),
-                ("checkpoint.save_dir", checkpoint_dir(cfg)),
-            ):
-                if create:
-                    folder.mkdir(parents=True, exist_ok=True)
-                if folder.is_dir() and (note := run_lock.hold(key, folder)):
-                    outcome[0].append(note)
+            outcome = [work()]
         except ConfigError as err:
             outcome = [err]
     torch.distributed.broadcast_object_list(outcome, src=0)
     if isinstance(outcome[0], ConfigError):
         raise outcome[0]
-    for note in outcome[0]:
+    return outcome[0]
+
+
+def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> None:
+    """Lock the run directory and save dir against a second run (``run_lock``): those that exist,
+    or, with ``create``, both after making them. Rank 0 decides and every rank agrees."""
+
+    def hold() -> list[str]:
+        notes = []
+        for key, folder in (
+            ("logging.run_dir", Path(cfg.logging.run_dir)),
+            ("checkpoint.save_dir", checkpoint_dir(cfg)),
+        ):
+            if create:
+                folder.mkdir(parents=True, exist_ok=True)
+            if folder.is_dir() and (note := run_lock.hold(key, folder)):
+                notes.append(note)
+        return notes
+
+    for note in _main_rank_decides(rt, hold):
         log.info(note)
-
-
-def _open_log(log, step: int, rt: runtime.Runtime) -> None:
-    """Open the run's logs (rank 0 writes them); a wandb that cannot start there stops every rank,
-    which would otherwise wait for rank 0 in the first step's collectives."""
-    outcome: list = [None]
-    try:
-        log.open(step)
-    except ConfigError as err:
-        outcome = [err]
-    torch.distributed.broadcast_object_list(outcome, src=0)
-    if isinstance(outcome[0], ConfigError):
-        raise outcome[0]
 
 
 def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer) -> int:
@@ -136,7 +140,8 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     shared_folders.check_shared([(save_key, checkpoint_dir(cfg)), (cache_key, cache_dir)], rt.rank)
     # Only now, with every input checked, does the run directory change.
     _hold_run_folders(cfg, rt, log, create=True)
-    _open_log(log, progress.iteration, rt)
+    # Rank 0 writes the logs; a wandb that cannot start there stops every rank.
+    _main_rank_decides(rt, lambda: log.open(progress.iteration))
     checkpointer.start_writer()
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
     dp = parallel_state.get_data_parallel_world_size()

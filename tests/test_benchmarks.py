@@ -1,6 +1,5 @@
 """The benchmarks' CPU dry runs: every path each can run here, end to end."""
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -8,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,15 +50,10 @@ def test_preprocess_benchmark_prints_our_row(corpus):
         assert re.search(rf"^\s+1 {row}\s+[\d.]+\s+\d+", result.stdout, re.MULTILINE), result.stdout
 
 
-def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_row_first(
-    tmp_path, monkeypatch
-):
+def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_row_first(tmp_path):
     """A wheelhouse built --with-te turns the GPU plan into Transformer Engine's: a longer install
     (the extension compiles there), the TE row in a step of its own before ours, no compiled rows."""
-    spec = importlib.util.spec_from_file_location("gpu_session", ROOT / "benchmarks" / "gpu_session.py")
-    session = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_session", session)  # its dataclass looks itself up there
-    spec.loader.exec_module(session)
+    session = load_tool("benchmarks/gpu_session.py")
     (tmp_path / "install.sh").write_text("")
     sdist = tmp_path / "transformer_engine_torch-2.11.0.tar.gz"
     sdist.write_bytes(b"")

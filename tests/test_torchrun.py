@@ -100,7 +100,6 @@ def test_torchrun_refuses_its_own_bad_arguments_in_one_line_before_any_rank(args
 def test_torchrun_refuses_more_ranks_than_the_gpus_it_sees(capsys, monkeypatch):
     """Two ranks on one GPU: NCCL's answer is a "Duplicate GPU detected" traceback from each rank.
     The node's GPUs are a count torch reports; here it reports one, as the lent H100 machine does."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     # A script that does not exist: were the ranks started, they would fail at once with exit 1.
     assert main(["--standalone", "--nproc-per-node", "2", "-m", "megatron_train.no_such_module"]) == 2
