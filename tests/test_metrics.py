@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import wandb
 
 from megatron_train.metrics import MetricsLogger, flops_per_token
 from megatron_train.resolve import build_config
@@ -53,6 +54,10 @@ def test_wandb_offline_run_receives_every_record_of_metrics_jsonl(tmp_path):
     log.log_validation(1, val_loss=6.9375)
     log.log_train(2, tokens=8192, loss=6.5, lr=3e-4, grad_norm=0.6875, step_time=0.5, skipped=1)
     log.close()
+    # finish() can return before wandb's service has written the records out (CI saw a file holding
+    # only its header); teardown waits for the service to close its files, as the atexit hook of a
+    # training process does.
+    wandb.teardown()
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 1, 2]
