@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import multiprocessing
 import os
 import select
 import shutil
@@ -22,7 +21,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 
 import torch
@@ -33,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_train import errors, megatron_compat, placement
-from megatron_train.checkpoint import files
+from megatron_train.checkpoint import files, results_server
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.policy import SavePolicy
 from megatron_train.checkpoint.state import (
@@ -68,24 +66,6 @@ class SaveFailed(RuntimeError):
     """A checkpoint's files could not be written (a full disk, a lost mount); raised on every rank
     together, the message is rank 0's. Earlier checkpoints are untouched: the run stops with exit 1
     and the same command resumes from the newest complete one."""
-
-
-def _serve_while_parent_lives() -> None:
-    """The writer Manager's initializer: ignore stop signals, exit when the training process is gone.
-
-    Ignoring the signals lets a save-and-stop finish; watching the parent keeps a crashed rank's
-    Manager from outliving it (it would hold the job's stdout open, so launchers never see EOF).
-    """
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
-
-    def exit_with_parent() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=exit_with_parent, daemon=True).start()
 
 
 # How far below training the background writer runs (os.nice). Its files are not urgent; the
@@ -196,17 +176,17 @@ def _write_failure(rank: int, err: BaseException) -> str:
     return errors.reason(err)
 
 
-def _start_results_manager() -> None:
-    """Start the multiprocessing Manager megatron's async writer reports results through.
+def _start_results_server() -> results_server.ResultsServer:
+    """Start the server megatron's async writer reports results through, and point megatron at it.
 
-    megatron starts it lazily on the first save, with default signal handling, so the SIGTERM or
-    SIGINT that asks us to save-and-stop (torchrun and Ctrl-C signal the whole process group)
-    kills it and the save fails. Ours ignores those signals, and starting it early overlaps its
-    start-up (seconds: it imports torch) with building the data instead of the first save.
+    megatron starts a Manager lazily on the first save, with default signal handling, so the
+    SIGTERM or SIGINT that asks us to save-and-stop (torchrun and Ctrl-C signal the whole process
+    group) kills it and the save fails. Ours ignores those signals, and starting it early overlaps
+    its start-up with building the data instead of the first save.
     """
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=_serve_while_parent_lives)
-    megatron_compat.use_async_results_queue(manager.Queue())
+    server = results_server.start(STOP_SIGNALS)
+    megatron_compat.use_async_results_queue(server.queue())
+    return server
 
 
 @contextlib.contextmanager
@@ -251,6 +231,7 @@ class Checkpointer:
         self._recorder: threading.Thread | None = None
         self._recorder_error: BaseException | None = None
         self._warmup: threading.Thread | None = None
+        self._results: results_server.ResultsServer | None = None
         self._strategies: dict[str, object] = {}
         self._writing: tuple[int, Path] | None = None
 
@@ -258,8 +239,11 @@ class Checkpointer:
         """Start the background writer's process while the data is built (async saves only);
         called once every check of the start has passed, so a bad start does not wait for it."""
         if self._queue is not None:
-            self._warmup = threading.Thread(target=_start_results_manager, daemon=True)
+            self._warmup = threading.Thread(target=self._start_results_server, daemon=True)
             self._warmup.start()
+
+    def _start_results_server(self) -> None:
+        self._results = _start_results_server()
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -398,10 +382,14 @@ class Checkpointer:
         )
 
     def release(self) -> None:
-        """Let the process exit cleanly on any path (a half-started writer Manager would block it)."""
+        """Let the process exit cleanly on any path (a half-started results server would block it),
+        and stop the results server."""
         if self._warmup is not None:
             self._warmup.join()
             self._warmup = None
+        if self._results is not None:
+            self._results.stop()
+            self._results = None
 
     def close(self) -> None:
         """Wait for the last save, then stop the background writer."""
