@@ -9,7 +9,6 @@ Exit codes: 0 ready, 2 a problem (one ``error:`` line naming it and the fix). No
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from megatron_train import cli
@@ -138,4 +137,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

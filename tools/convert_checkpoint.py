@@ -13,7 +13,6 @@ Exit codes: 0 done, 2 bad input (the message names it and the fix).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -61,4 +60,4 @@ def convert(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

@@ -13,7 +13,6 @@ Exit codes: 0 done, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -148,4 +147,4 @@ def generate(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

@@ -10,7 +10,6 @@ Nothing is unpickled beyond plain data and checkpoint metadata (see checkpoint/s
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 from megatron_train import cli
@@ -97,4 +96,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

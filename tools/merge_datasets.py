@@ -14,7 +14,6 @@ codes: 0 done, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from megatron_train import cli
@@ -72,4 +71,4 @@ def merge(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

@@ -216,4 +216,4 @@ def _write_shards(files: list[Path], out: Path, job: Job) -> tuple[Counts, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

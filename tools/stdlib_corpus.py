@@ -7,7 +7,6 @@ once complete and never replaces an existing one. Exit codes: 0 done, 2 bad inpu
 from __future__ import annotations
 
 import json
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -46,4 +45,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

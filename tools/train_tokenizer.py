@@ -17,7 +17,6 @@ import errno
 import itertools
 import os
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,4 +151,4 @@ def _vocab_size_error(size: int, err: Exception) -> ConfigError:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())
