@@ -83,7 +83,8 @@ def use_async_results_queue(queue: Any) -> None:
 
     0.16: ``filesystem_async`` creates its results queue lazily on the first save (a Manager
     with default signal handling, so the stop signal that asks for a save kills it) and keeps it
-    in the private module global ``_results_queue``.
+    in the private module global ``_results_queue``; its writer calls only ``put`` and the
+    training process only ``get_nowait``.
     """
     filesystem_async._results_queue = queue
 

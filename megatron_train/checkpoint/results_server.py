@@ -9,6 +9,7 @@ torch and megatron-core), seconds of CPU per rank, on every start, beside the ra
 from __future__ import annotations
 
 import os
+import pickle
 import secrets
 import signal
 import subprocess
@@ -19,15 +20,30 @@ from multiprocessing.managers import SyncManager
 from queue import Queue
 
 
+class PickledQueue:
+    """The queue megatron's writer puts its results on and the training process gets them from,
+    carrying them as pickled bytes, so that the server never unpickles them: their classes are
+    torch's, and unpickling one there would import torch, the start-up this server exists to avoid."""
+
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+
+    def put(self, item: object) -> None:
+        self._queue.put(pickle.dumps(item))
+
+    def get_nowait(self) -> object:
+        return pickle.loads(self._queue.get_nowait())
+
+
 class ResultsServer:
-    """A running server and a client connected to it; :meth:`queue` makes queues that processes
+    """A running server and a client connected to it; :meth:`queue` makes a queue that processes
     forked later reach, :meth:`stop` ends it (it also ends within a second of its parent)."""
 
     def __init__(self, process: subprocess.Popen, client: SyncManager) -> None:
         self._process, self._client = process, client
 
-    def queue(self) -> Queue:
-        return self._client.Queue()
+    def queue(self) -> PickledQueue:
+        return PickledQueue(self._client.Queue())
 
     def stop(self) -> None:
         self._process.kill()

@@ -1,0 +1,49 @@
+"""The server megatron's async checkpoint writer reports through: a forked writer's results reach
+the training process, the server stays light (no torch), survives stop signals, ends with its parent."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from megatron_train.checkpoint import results_server
+from tests.conftest import ROOT
+
+
+def test_a_forked_writers_results_reach_the_parent_and_the_server_never_loads_torch():
+    server = results_server.start((signal.SIGTERM, signal.SIGINT))
+    try:
+        queue = server.queue()
+        results = {"bucket": [torch.arange(4)], "rank": 3}
+        writer = multiprocessing.get_context("fork").Process(target=queue.put, args=(results,))
+        writer.start()
+        writer.join(timeout=60)
+        assert writer.exitcode == 0
+        got = queue.get_nowait()
+        assert got["rank"] == 3 and torch.equal(got["bucket"][0], torch.arange(4))
+
+        pid = server._process.pid
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
+        os.kill(pid, signal.SIGTERM)  # what torchrun sends the whole process group to save and stop
+        time.sleep(0.5)
+        assert server._process.poll() is None
+    finally:
+        server.stop()
+
+
+def test_the_server_ends_with_a_parent_that_was_killed():
+    code = (
+        "import signal, time; from megatron_train.checkpoint import results_server; "
+        "s = results_server.start((signal.SIGTERM,)); print(s._process.pid, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    server = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait()
+    server.wait(timeout=10)  # psutil.TimeoutExpired if it outlived its parent
