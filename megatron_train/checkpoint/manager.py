@@ -176,19 +176,6 @@ def _write_failure(rank: int, err: BaseException) -> str:
     return errors.reason(err)
 
 
-def _start_results_server() -> results_server.ResultsServer:
-    """Start the server megatron's async writer reports results through, and point megatron at it.
-
-    megatron starts a Manager lazily on the first save, with default signal handling, so the
-    SIGTERM or SIGINT that asks us to save-and-stop (torchrun and Ctrl-C signal the whole process
-    group) kills it and the save fails. Ours ignores those signals, and starting it early overlaps
-    its start-up with building the data instead of the first save.
-    """
-    server = results_server.start(STOP_SIGNALS)
-    megatron_compat.use_async_results_queue(server.queue())
-    return server
-
-
 @contextlib.contextmanager
 def gathered_params(model: list) -> Iterator[None]:
     """Every parameter holds this step's value inside the block, as Megatron-LM does before saving.
@@ -243,7 +230,15 @@ class Checkpointer:
             self._warmup.start()
 
     def _start_results_server(self) -> None:
-        self._results = _start_results_server()
+        """Start the server megatron's async writer reports results through, and point megatron at it.
+
+        megatron starts a Manager lazily on the first save, with default signal handling, so the
+        SIGTERM or SIGINT that asks us to save-and-stop (torchrun and Ctrl-C signal the whole
+        process group) kills it and the save fails. Ours ignores those signals, and starting it
+        early overlaps its start-up with building the data instead of the first save.
+        """
+        self._results = results_server.start(STOP_SIGNALS)
+        megatron_compat.use_async_results_queue(self._results.queue())
 
     # -- saving ---------------------------------------------------------------------------
 
