@@ -6,7 +6,9 @@ import contextlib
 import io
 import json
 import math
+import os
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -74,11 +76,14 @@ def check_wandb_login(cfg: ExperimentConfig) -> None:
 
 def _start_wandb(cfg: ExperimentConfig, run_dir: Path):
     """The wandb run, or a ConfigError saying why wandb could not start one (a server it cannot
-    reach, a key the server refuses): wandb's own error is a traceback, after its timeout."""
+    reach, a key the server refuses): wandb's own error is a traceback, after its timeout, and
+    its folder is left as it was."""
     import wandb
 
-    # Its lines (the run's name and link) are shown once it has started: a failed start's would
-    # stand above the one-line error.
+    folder = run_dir / "wandb"
+    before = _entries(folder)
+    # Silent: wandb's service would print where a failed start's logs are below the one-line error
+    # (the run's own line is ours, in open). Its login note is shown once the run has started.
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
@@ -87,10 +92,13 @@ def _start_wandb(cfg: ExperimentConfig, run_dir: Path):
                 dir=str(run_dir),
                 mode=cfg.logging.wandb_mode,
                 config=to_dict(cfg),
+                settings=wandb.Settings(silent=True),
             )
         sys.stderr.write(said.getvalue())
         return run
     except wandb.errors.Error as err:
+        wandb.teardown()  # its service closes the attempt's files before they are removed
+        _restore(folder, before)
         why = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else type(err).__name__
         raise ConfigError(
             "logging.wandb",
@@ -98,6 +106,30 @@ def _start_wandb(cfg: ExperimentConfig, run_dir: Path):
             "check that the nodes reach the wandb server (WANDB_BASE_URL) with a valid key, or set "
             "logging.wandb_mode=offline and sync later with `wandb sync`",
         ) from None
+
+
+def _entries(folder: Path) -> dict[str, str | None] | None:
+    """``folder``'s entries, each with its link target (wandb points debug.log and latest-run at
+    its newest run), or None when there is no such folder."""
+    if not folder.is_dir():
+        return None
+    return {p.name: os.readlink(p) if p.is_symlink() else None for p in folder.iterdir()}
+
+
+def _restore(folder: Path, before: dict[str, str | None] | None) -> None:
+    """Remove what a failed wandb start added to ``folder`` and point its links back."""
+    if before is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for entry in folder.iterdir():
+        if entry.name in before and before[entry.name] is None:
+            continue
+        if entry.is_symlink() or entry.is_file():
+            entry.unlink()
+        else:
+            shutil.rmtree(entry)
+        if before.get(entry.name) is not None:
+            entry.symlink_to(before[entry.name])
 
 
 class MetricsLogger:
@@ -124,6 +156,11 @@ class MetricsLogger:
         if self.cfg.logging.wandb:
             # First, so that a wandb that cannot start leaves a resumed run's files as they were.
             self._wandb = _start_wandb(self.cfg, self.run_dir)
+            run = self._wandb
+            if self.cfg.logging.wandb_mode == "online":
+                self.info(f"wandb run {run.name}: {run.url}")
+            else:
+                self.info(f"wandb offline run {run.id}: `wandb sync {Path(run.dir).parent}` uploads it")
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         path = self.run_dir / "metrics.jsonl"
         if path.exists():

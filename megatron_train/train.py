@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import faulthandler
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -86,16 +87,28 @@ def _main_rank_decides(rt: runtime.Runtime, work: Callable[[], T]) -> T:
     return outcome[0]
 
 
+def _run_folders(cfg: ExperimentConfig) -> tuple[Path, Path]:
+    """The run directory and the save dir."""
+    return Path(cfg.logging.run_dir), checkpoint_dir(cfg)
+
+
+def _first_missing(folder: Path) -> Path | None:
+    """The outermost folder that making ``folder`` would create; None when it exists."""
+    if folder.exists():
+        return None
+    folder = folder.absolute()
+    while not folder.parent.exists():
+        folder = folder.parent
+    return folder
+
+
 def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> None:
     """Lock the run directory and save dir against a second run (``run_lock``): those that exist,
     or, with ``create``, both after making them. Rank 0 decides and every rank agrees."""
 
     def hold() -> list[str]:
         notes = []
-        for key, folder in (
-            ("logging.run_dir", Path(cfg.logging.run_dir)),
-            ("checkpoint.save_dir", checkpoint_dir(cfg)),
-        ):
+        for key, folder in zip(("logging.run_dir", "checkpoint.save_dir"), _run_folders(cfg), strict=True):
             if create:
                 folder.mkdir(parents=True, exist_ok=True)
             if folder.is_dir() and (note := run_lock.hold(key, folder)):
@@ -139,9 +152,17 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     cache_key = "data.cache_dir" if cfg.data.cache_dir else "logging.run_dir"
     shared_folders.check_shared([(save_key, checkpoint_dir(cfg)), (cache_key, cache_dir)], rt.rank)
     # Only now, with every input checked, does the run directory change.
+    # Rank 0 makes them, and takes them away again (empty) if the logs cannot open.
+    made = [top for folder in _run_folders(cfg) if (top := _first_missing(folder))] if rt.is_main else []
     _hold_run_folders(cfg, rt, log, create=True)
     # Rank 0 writes the logs; a wandb that cannot start there stops every rank.
-    _main_rank_decides(rt, lambda: log.open(progress.iteration))
+    try:
+        _main_rank_decides(rt, lambda: log.open(progress.iteration))
+    except ConfigError:
+        for top in made:
+            if all(p.is_dir() for p in top.rglob("*")):
+                shutil.rmtree(top, ignore_errors=True)
+        raise
     checkpointer.start_writer()
     stepper = Stepper(cfg, model, optimizer, scheduler, rt.device)
     dp = parallel_state.get_data_parallel_world_size()

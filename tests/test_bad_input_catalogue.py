@@ -286,6 +286,12 @@ def _preflight(*overrides: str) -> Callable[[Path], list[str]]:
 
 
 FRESH = "logging.run_dir=WS/cases/fresh_run"  # a run that must not be created by a failed start
+# A well-formed key, so that the start gets as far as wandb.init, and the discard port.
+WANDB_UNREACHABLE = {
+    "WANDB_API_KEY": "0" * 40,
+    "WANDB_BASE_URL": "http://127.0.0.1:9",
+    "WANDB_INIT_TIMEOUT": "1",
+}
 
 CASES = [
     # train: the config file itself
@@ -668,6 +674,21 @@ CASES = [
         _train(FRESH, "logging.wandb=true", "logging.wandb_mode=online"),
         "is online but WANDB_API_KEY invalid",
         env={"WANDB_API_KEY": "abc"},
+    ),
+    # A server out of reach fails wandb.init after its timeout, once the run's folders are made.
+    Case(
+        "wandb-server-out-of-reach-fresh-run",
+        "train",
+        _train(FRESH, "logging.wandb=true", "logging.wandb_mode=online"),
+        "'logging.wandb': wandb could not start its online run",
+        env=WANDB_UNREACHABLE,
+    ),
+    Case(
+        "wandb-server-out-of-reach-existing-run",
+        "train",
+        _train("train.steps=8", "logging.wandb=true", "logging.wandb_mode=online"),
+        "'logging.wandb': wandb could not start its online run",
+        env=WANDB_UNREACHABLE,
     ),
     # train: checkpoints to resume from (the existing run must stay as it was)
     Case(
