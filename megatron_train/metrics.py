@@ -121,15 +121,16 @@ def _restore(folder: Path, before: dict[str, str | None] | None) -> None:
     if before is None:
         shutil.rmtree(folder, ignore_errors=True)
         return
-    for entry in folder.iterdir():
-        if entry.name in before and before[entry.name] is None:
+    for name, target in _entries(folder).items():
+        if name in before and before[name] == target:
             continue
-        if entry.is_symlink() or entry.is_file():
-            entry.unlink()
+        entry = folder / name
+        if target is None and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
         else:
-            shutil.rmtree(entry)
-        if before.get(entry.name) is not None:
-            entry.symlink_to(before[entry.name])
+            entry.unlink()
+        if before.get(name) is not None:
+            entry.symlink_to(before[name])
 
 
 class MetricsLogger:

@@ -87,11 +87,6 @@ def _main_rank_decides(rt: runtime.Runtime, work: Callable[[], T]) -> T:
     return outcome[0]
 
 
-def _run_folders(cfg: ExperimentConfig) -> tuple[Path, Path]:
-    """The run directory and the save dir."""
-    return Path(cfg.logging.run_dir), checkpoint_dir(cfg)
-
-
 def _first_missing(folder: Path) -> Path | None:
     """The outermost folder that making ``folder`` would create; None when it exists."""
     if folder.exists():
@@ -102,21 +97,29 @@ def _first_missing(folder: Path) -> Path | None:
     return folder
 
 
-def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> None:
+def _hold_run_folders(cfg: ExperimentConfig, rt: runtime.Runtime, log, create: bool) -> list[Path]:
     """Lock the run directory and save dir against a second run (``run_lock``): those that exist,
-    or, with ``create``, both after making them. Rank 0 decides and every rank agrees."""
+    or, with ``create``, both after making them. Rank 0 decides and every rank agrees. Returns the
+    outermost folders that making them created."""
 
-    def hold() -> list[str]:
-        notes = []
-        for key, folder in zip(("logging.run_dir", "checkpoint.save_dir"), _run_folders(cfg), strict=True):
+    def hold() -> tuple[list[str], list[Path]]:
+        notes, made = [], []
+        for key, folder in (
+            ("logging.run_dir", Path(cfg.logging.run_dir)),
+            ("checkpoint.save_dir", checkpoint_dir(cfg)),
+        ):
             if create:
+                if (top := _first_missing(folder)) is not None:
+                    made.append(top)
                 folder.mkdir(parents=True, exist_ok=True)
             if folder.is_dir() and (note := run_lock.hold(key, folder)):
                 notes.append(note)
-        return notes
+        return notes, made
 
-    for note in _main_rank_decides(rt, hold):
+    notes, made = _main_rank_decides(rt, hold)
+    for note in notes:
         log.info(note)
+    return made
 
 
 def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer) -> int:
@@ -152,14 +155,13 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     cache_key = "data.cache_dir" if cfg.data.cache_dir else "logging.run_dir"
     shared_folders.check_shared([(save_key, checkpoint_dir(cfg)), (cache_key, cache_dir)], rt.rank)
     # Only now, with every input checked, does the run directory change.
-    # Rank 0 makes them, and takes them away again (empty) if the logs cannot open.
-    made = [top for folder in _run_folders(cfg) if (top := _first_missing(folder))] if rt.is_main else []
-    _hold_run_folders(cfg, rt, log, create=True)
+    made = _hold_run_folders(cfg, rt, log, create=True)
     # Rank 0 writes the logs; a wandb that cannot start there stops every rank.
     try:
         _main_rank_decides(rt, lambda: log.open(progress.iteration))
     except ConfigError:
-        for top in made:
+        # Rank 0, which made the folders, takes them away again while nothing is in them.
+        for top in made if rt.is_main else []:
             if all(p.is_dir() for p in top.rglob("*")):
                 shutil.rmtree(top, ignore_errors=True)
         raise
