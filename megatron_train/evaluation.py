@@ -35,10 +35,12 @@ class Evaluator:
             return
         t = self.cfg.train
         samples = t.eval_steps * t.global_batch_size
-        if self._loaders is None:
-            chunks = len(self.stepper.model)
-            self._loaders = [
-                batch_loader(self.dataset, 0, self.cfg, num_samples=samples) for _ in range(chunks)
-            ]
-        iters = [iter(loader) for loader in self._loaders]
-        self.log.log_validation(step, self.stepper.evaluate(iters, t.eval_steps))
+        with self.log.left_out():
+            if self._loaders is None:
+                chunks = len(self.stepper.model)
+                self._loaders = [
+                    batch_loader(self.dataset, 0, self.cfg, num_samples=samples) for _ in range(chunks)
+                ]
+            iters = [iter(loader) for loader in self._loaders]
+            loss = self.stepper.evaluate(iters, t.eval_steps)
+        self.log.log_validation(step, loss)

@@ -11,6 +11,7 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -188,6 +189,16 @@ class MetricsLogger:
         """Start timing steps (just before the first one)."""
         self._interval_start, self._interval_steps = time.perf_counter(), 0
 
+    @contextlib.contextmanager
+    def left_out(self) -> Iterator[None]:
+        """Leave the time spent inside (validation, say) out of the interval's step time, which
+        is the interval's time divided by the steps it counted."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._interval_start += time.perf_counter() - began
+
     def after_step(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float, skipped: int,
                    moe: dict[str, float] | None = None) -> None:  # fmt: skip
         """Count a step (``tokens`` trained on so far); at each ``logging.log_interval`` and the
@@ -247,8 +258,7 @@ class MetricsLogger:
         self._write(record)
 
     def log_validation(self, step: int, val_loss: float) -> None:
-        """A validation result; the time validation took is left out of the step time."""
-        self._interval_start = time.perf_counter()
+        """A validation result."""
         if not self.enabled:
             return
         ppl = math.exp(min(val_loss, 50.0))

@@ -44,6 +44,27 @@ def test_a_start_drops_the_records_of_the_steps_it_redoes(tmp_path, start, kept)
     ] == kept
 
 
+def test_time_left_out_of_an_interval_does_not_shrink_its_step_time(monkeypatch):
+    """Validation after step 2 of a 4-step log interval (train.eval_interval not a multiple of
+    logging.log_interval): the steps' own 1 s each is reported, where restarting the interval's
+    clock after validation reported 0.5 s (twice the tokens/s)."""
+    cfg = build_config({"train": {"steps": 8}, "model": {"vocab_size": 256}, "logging": {"log_interval": 4}})
+    clock = [0.0]
+    monkeypatch.setattr("megatron_train.metrics.time.perf_counter", lambda: clock[0])
+    log = MetricsLogger(cfg, None, enabled=False, world_size=1)
+    reported = []
+    monkeypatch.setattr(log, "log_train", lambda step, *args: reported.append((step, args[4])))
+    log.start_interval()
+    for step in range(1, 9):
+        clock[0] += 1.0
+        log.after_step(step, 0, loss=1.0, lr=1.0, grad_norm=1.0, skipped=0)
+        if step in (2, 4):
+            with log.left_out():
+                clock[0] += 30.0
+            log.log_validation(step, 1.0)
+    assert reported == [(4, 1.0), (8, 1.0)]
+
+
 def test_wandb_offline_run_receives_every_record_of_metrics_jsonl(tmp_path):
     """logging.wandb: one offline wandb run in <run_dir>/wandb holding each value the interval and
     validation records hold (the run file stores each as its JSON text)."""
