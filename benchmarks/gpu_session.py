@@ -84,8 +84,8 @@ def plan(cpu: bool, wheelhouse: Path = ROOT / "wheelhouse") -> list[Step]:
         # Measured on a GPU before (README), so it comes after the rows never measured.
         # Its runs and checkpoints stay on the node; only its log comes back.
         runs = Path(tempfile.gettempdir(), f"gpu_smoke-{os.getpid()}-{time.time_ns()}")
-        smoke = [py, "benchmarks/gpu_smoke.py", "--out", str(runs), "--checks", "demo,resume"]
-        steps.append(Step("smoke", 240, smoke))
+        smoke = [py, "benchmarks/gpu_smoke.py", "--out", str(runs), "--checks", "demo,resume,profile"]
+        steps.append(Step("smoke", 270, smoke))
     ce = ["--seq", "64", "--vocab", "512", "--repeats", "1"] if cpu else []
     steps.append(Step("cross_entropy_memory", 150, [py, "benchmarks/cross_entropy_memory.py", *ce]))
     return steps

@@ -1,6 +1,6 @@
 """GPU smoke test on one GPU: the demo and its HF export, a bitwise resume, save cost, numerics vs CPU.
 
-    python benchmarks/gpu_smoke.py [--out runs/gpu_smoke] [--checks demo,resume,save,numerics]
+    python benchmarks/gpu_smoke.py [--out runs/gpu_smoke] [--checks demo,resume,save,numerics,profile]
 
 Every step is the real command line a user runs (torchrun -m megatron_train.train, the conversion
 tool, the checkpoint benchmark); this script only chains them and compares their metrics.jsonl.
@@ -9,7 +9,8 @@ tool, the checkpoint benchmark); this script only chains them and compares their
 - resume: 40 steps uninterrupted against a resume from that run's step-20 checkpoint (and a second
   uninterrupted run, which shows whether the GPU kernels themselves are deterministic);
 - save: async vs synchronous save blocking (benchmarks/checkpoint_save.py, ~150M parameters);
-- numerics: 20 fp32 steps on the GPU against the same 20 on the CPU (CUDA hidden), and bf16 vs fp32.
+- numerics: 20 fp32 steps on the GPU against the same 20 on the CPU (CUDA hidden), and bf16 vs fp32;
+- profile: profile.* on the demo: CUDA kernels in the trace's named steps, the memory snapshot.
 Prints one summary; exits 1 when a check fails.
 """
 
@@ -136,7 +137,30 @@ def check_numerics(out: Path, log: Path) -> list[tuple[bool, str]]:
     ]
 
 
-CHECKS = {"demo": check_demo, "resume": check_resume, "save": check_save, "numerics": check_numerics}
+def check_profile(out: Path, log: Path) -> list[tuple[bool, str]]:
+    """profile.* on the GPU: the trace holds CUDA kernels inside the named steps, and the memory
+    snapshot is written beside it."""
+    import gzip
+
+    # After the demo's 10 warm-up steps of the learning rate.
+    train(out / "profile", log, "train.precision=bf16", "train.steps=14", "train.eval_interval=0",
+          "checkpoint.save_at_end=false", "profile.start_step=12", "profile.memory=true")  # fmt: skip
+    folder = out / "profile/profile/step12-13"
+    with gzip.open(folder / "rank0.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sum(e.get("cat") == "kernel" for e in events)
+    steps = sorted({e["name"] for e in events if e["name"].startswith("train step")})
+    snapshot = folder / "rank0.memory.pickle"
+    ok = kernels > 0 and steps == ["train step 12", "train step 13"] and snapshot.is_file()
+    size = f"{snapshot.stat().st_size / 2**20:.1f} MiB" if snapshot.is_file() else "missing"
+    text = f"profile of steps 12-13: {kernels} CUDA kernel events, ranges {steps}, memory snapshot {size}"
+    # The operator table's first three rows: the most GPU time of their own.
+    top = [" ".join(line.split()) for line in (folder / "rank0.txt").read_text().splitlines()[3:6]]
+    return [(ok, f"{text}; first rows of rank0.txt: {' | '.join(top)}")]
+
+
+CHECKS = {"demo": check_demo, "resume": check_resume, "save": check_save, "numerics": check_numerics,
+          "profile": check_profile}  # fmt: skip
 
 
 def main() -> int:

@@ -419,6 +419,25 @@ class LoggingConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A torch profiler trace of a few training steps, as Megatron-LM's ``--profile`` and
+    torchtitan's ``[profiling]`` take one: ``<run_dir>/profile/step<a>-<b>/rank<r>.json.gz``
+    (Perfetto or chrome://tracing) and ``rank<r>.txt``, the operators by their own time."""
+
+    start_step: PositiveInt | None = None
+    """First step to profile; null profiles nothing. Later than the first steps, which warm up."""
+    num_steps: Annotated[int, Range(1, 100)] = 2
+    """Steps one trace covers, from start_step on (a trace grows with every step)."""
+    ranks: list[NonNegativeInt] = field(default_factory=lambda: [0])
+    """Ranks that record a trace, each its own file; the others train unprofiled."""
+    record_shapes: bool = False
+    """Record each operator's input shapes too (a larger trace)."""
+    memory: bool = False
+    """Record allocations too; on a GPU also a CUDA memory snapshot of the same steps,
+    ``rank<r>.memory.pickle``, for https://pytorch.org/memory_viz."""
+
+
+@dataclass
 class ExperimentConfig:
     """A whole experiment."""
 
@@ -438,6 +457,8 @@ class ExperimentConfig:
     """Saving and resuming."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Outputs."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Profiling some training steps."""
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -864,6 +885,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             f"{o.min_lr} exceeds the peak optimizer.lr={o.lr}",
             "set optimizer.min_lr to at most optimizer.lr",
         )
+    _validate_profile(cfg.profile, t.steps, world_size)
     c = cfg.checkpoint
     if c.init_from and c.load != "auto":
         raise ConfigError(
@@ -877,6 +899,44 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "needs a checkpoint to take weights from",
             "set checkpoint.load to its path",
         )
+
+
+def _validate_profile(pr: ProfileConfig, steps: int, world_size: int) -> None:
+    if pr.start_step is None:
+        changed = [
+            f.name for f in dataclasses.fields(pr) if getattr(pr, f.name) != getattr(ProfileConfig(), f.name)
+        ]
+        if changed:
+            raise ConfigError(
+                f"profile.{changed[0]}",
+                "has no effect while profile.start_step is null (profiling is off)",
+                "set profile.start_step to the first step to profile, or remove it",
+            )
+        return
+    if pr.num_steps > steps:
+        raise ConfigError(
+            "profile.num_steps", f"{pr.num_steps} exceeds train.steps={steps}", f"set it to at most {steps}"
+        )
+    last = pr.start_step + pr.num_steps - 1
+    if last > steps:
+        raise ConfigError(
+            "profile.start_step",
+            f"steps {pr.start_step}-{last} run past train.steps={steps}",
+            f"set it to at most {steps - pr.num_steps + 1}, or lower profile.num_steps",
+        )
+    outside = [r for r in pr.ranks if r >= world_size]
+    if not pr.ranks or outside or len(set(pr.ranks)) != len(pr.ranks):
+        problem = (
+            f"rank {outside[0]} does not exist in a job of {world_size} rank{'s' * (world_size > 1)}"
+            if outside
+            else f"{pr.ranks!r} is not a non-empty list of distinct ranks"
+        )
+        fix = (
+            "set it to [0], the only rank"
+            if world_size == 1
+            else f"list ranks from 0 to {world_size - 1}, each once"
+        )
+        raise ConfigError("profile.ranks", problem, fix)
 
 
 def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> None:

@@ -13,6 +13,7 @@ from megatron_train.config import (
     ExperimentConfig,
     ModelConfig,
     ParallelConfig,
+    ProfileConfig,
     apply_overrides,
     check_paths_written_out,
     from_dict,
@@ -80,7 +81,8 @@ def at_layout(saved: dict, tensor: int, pipeline: int, expert: int = 1) -> Exper
         cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None, context=1,
         sequence_parallel=tensor > 1 and expert > 1, expert=expert, expert_tensor=None,
     )  # fmt: skip
-    cfg = dataclasses.replace(cfg, parallel=parallel)
+    # Its training ran on other ranks; inference profiles no training steps.
+    cfg = dataclasses.replace(cfg, parallel=parallel, profile=ProfileConfig())
     validate_options(cfg, tensor * pipeline * expert)
     return cfg
 

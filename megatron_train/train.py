@@ -132,6 +132,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     from megatron_train.evaluation import Evaluator
     from megatron_train.model import build_model, layer_implementation
     from megatron_train.optim import build_optimizer
+    from megatron_train.profiling import StepProfiler
     from megatron_train.step import Stepper
 
     _hold_run_folders(cfg, rt, log, create=False)
@@ -199,23 +200,26 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     )
     train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in model]
     evaluator = Evaluator(cfg, stepper, valid_ds, log)
+    profiler = StepProfiler(cfg, rt.rank, rt.device, progress.iteration + 1, log)
     log.start_interval()
     exit_code, batch = EXIT_OK, cfg.train.global_batch_size
     try:
-        for step in range(progress.iteration + 1, cfg.train.steps + 1):
-            result = stepper.train_step(train_iters, logged=log.logs_at(step))
-            result.check_finite(step)
-            progress = progress.advanced(batch, batch * cfg.data.seq_length, result.skipped)
-            log.after_step(step, progress.consumed_tokens, result.loss, result.lr, result.grad_norm,
-                           progress.skipped_steps, result.moe)  # fmt: skip
-            evaluator.after_step(step)
-            decision = watch.decide()
-            checkpointer.after_step(progress, decision, model, optimizer, scheduler)
-            if decision.stop and step < cfg.train.steps:
-                why = watch.why(decision)
-                log.info(f"stopping after step {step} on {why}; run the same command again to resume")
-                exit_code = EXIT_STOPPED_EARLY
-                break
+        with profiler:
+            for step in range(progress.iteration + 1, cfg.train.steps + 1):
+                with profiler.step(step):
+                    result = stepper.train_step(train_iters, logged=log.logs_at(step))
+                result.check_finite(step)
+                progress = progress.advanced(batch, batch * cfg.data.seq_length, result.skipped)
+                log.after_step(step, progress.consumed_tokens, result.loss, result.lr, result.grad_norm,
+                               progress.skipped_steps, result.moe)  # fmt: skip
+                evaluator.after_step(step)
+                decision = watch.decide()
+                checkpointer.after_step(progress, decision, model, optimizer, scheduler)
+                if decision.stop and step < cfg.train.steps:
+                    why = watch.why(decision)
+                    log.info(f"stopping after step {step} on {why}; run the same command again to resume")
+                    exit_code = EXIT_STOPPED_EARLY
+                    break
     except TrainingDiverged:
         # Every rank sees the same loss, so all get here and can finish the save in flight together.
         checkpointer.close()

@@ -109,6 +109,13 @@ BAD_INPUTS = [
     ),
     (["data.reset_position_ids=true"], 1, "data.reset_position_ids"),
     (["data.document_mask=maybe"], 1, "data.document_mask"),
+    # the test config trains 6 steps
+    (["profile.num_steps=3"], 1, "profile.num_steps"),
+    (["profile.start_step=5", "profile.num_steps=3"], 1, "profile.start_step"),
+    (["profile.start_step=2", "profile.num_steps=7"], 1, "profile.num_steps"),
+    (["profile.start_step=2", "profile.ranks=[2]"], 2, "profile.ranks"),
+    (["profile.start_step=2", "profile.ranks=[0,0]"], 2, "profile.ranks"),
+    (["profile.start_step=2", "profile.ranks=[]"], 1, "profile.ranks"),
 ]
 
 

@@ -28,7 +28,7 @@ LAYERS = [
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory", "moe_stats"],
-    ["data", "batch", "step", "metrics", "stopping", "evaluation", "shared_folders"],
+    ["data", "batch", "step", "metrics", "stopping", "evaluation", "shared_folders", "profiling"],
     ["checkpoint.state", "checkpoint.policy", "checkpoint.streaming_save", "checkpoint.manager"],
     ["hf.convert", "inference", "warm_start"],
     ["train", "preflight", "cli", "torchrun"],

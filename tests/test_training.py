@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 import shutil
 import signal
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, records, torchrun, torchrun_env, train_losses, write_config
+from tests.conftest import ROOT, records, single_rank, torchrun, torchrun_env, train_losses, write_config
 
 # One xdist worker runs this module, so its module-scoped reference runs are built once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("training")]
@@ -156,6 +158,76 @@ def test_compiled_layers_match_single_rank_and_resume_bitwise(
     assert result.returncode == 0, result.stderr[-4000:]
     again = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
     assert again == {r["step"]: r["loss"] for r in records(tmp_path / "run") if "loss" in r and r["step"] > 3}
+
+
+def _trace_events(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def test_a_profile_on_rank_one_records_its_steps_and_leaves_the_training_as_it_was(
+    tmp_path, corpus, small_lr_baseline
+):
+    """profile.* at DP2: rank 1 alone writes a trace of steps 2-4 (gzipped Chrome JSON, each
+    step named, allocations and input shapes recorded) and its operator table; rank 0 writes
+    nothing, and the losses are those of the unprofiled single-rank run."""
+    profile = {"start_step": 2, "num_steps": 3, "ranks": [1], "memory": True, "record_shapes": True}
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", corpus, run, optimizer=SMALL_LR, profile=profile)
+    result = torchrun(2, config, "optimizer.distributed=false")
+    assert result.returncode == 0, result.stderr[-4000:]
+    folder = run / "profile" / "step2-4"
+    assert [p.name for p in (run / "profile").iterdir()] == ["step2-4"]
+    assert sorted(p.name for p in folder.iterdir()) == ["rank1.json.gz", "rank1.txt"]
+    assert f"profile of steps 2-4 on rank 1: {folder / 'rank1.json.gz'} (" in result.stdout
+    events = _trace_events(folder / "rank1.json.gz")
+    steps = {e["name"] for e in events if e["name"].startswith("train step")}
+    assert steps == {"train step 2", "train step 3", "train step 4"}
+    assert any(e["name"] == "[memory]" for e in events)
+    assert any("Input Dims" in e.get("args", {}) for e in events if e["name"] == "aten::mm")
+    assert "aten::mm" in (folder / "rank1.txt").read_text()
+    expected, got = train_losses(small_lr_baseline), train_losses(run)
+    assert len(got) == len(expected) >= 5
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs unprofiled single-rank {e}"
+
+
+def test_a_resumed_run_profiles_the_rest_of_its_window_and_a_stop_writes_what_it_recorded(
+    tmp_path, corpus, trained
+):
+    """Resumed at step 5 with a window of steps 4-6, the trace covers step 5 on, and a stop after
+    step 5 (train.exit_after_minutes) writes it; a window before the resume point is named."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    profile = {"start_step": 4, "num_steps": 3}
+    config = write_config(tmp_path / "cfg.yaml", corpus, run, train={"steps": 8}, profile=profile)
+    result = single_rank(config, "train.exit_after_minutes=0.001")
+    assert result.returncode == 3, result.stderr[-4000:]
+    assert "stopping after step 5" in result.stdout
+    folder = run / "profile" / "step5"
+    assert [p.name for p in (run / "profile").iterdir()] == ["step5"]
+    assert f"profile of step 5 on rank 0: {folder / 'rank0.json.gz'} (" in result.stdout
+    steps = {e["name"] for e in _trace_events(folder / "rank0.json.gz") if e["name"].startswith("train step")}
+    assert steps == {"train step 5"}
+
+    result = single_rank(config, "profile.start_step=2", "profile.num_steps=2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "profile: steps 2-3 were trained before this start (it resumes at step 6)" in result.stdout
+    assert [p.name for p in (run / "profile").iterdir()] == ["step5"]
+
+
+def test_a_trace_that_cannot_be_written_is_one_warning_and_training_goes_on(tmp_path, corpus, trained):
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    (run / "profile").write_text("a file where the traces' folder would go\n")
+    config = write_config(tmp_path / "cfg.yaml", corpus, run, profile={"start_step": 5, "num_steps": 1})
+    result = single_rank(config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "the profile of step 5 could not be written to" in warnings[0], warnings
+    assert "training goes on without it" in warnings[0]
+    assert [r["step"] for r in records(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert (run / "profile").read_text() == "a file where the traces' folder would go\n"
 
 
 def test_interleaved_pipeline_matches_single_rank(tmp_path, corpus):
