@@ -28,11 +28,11 @@ def test_a_forked_writers_results_reach_the_parent_and_the_server_never_loads_to
         got = queue.get_nowait()
         assert got["rank"] == 3 and torch.equal(got["bucket"][0], torch.arange(4))
 
-        pid = server._process.pid
+        pid = server.pid
         assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text()
         os.kill(pid, signal.SIGTERM)  # what torchrun sends the whole process group to save and stop
         time.sleep(0.5)
-        assert server._process.poll() is None
+        assert server.running()
     finally:
         server.stop()
 
@@ -40,7 +40,7 @@ def test_a_forked_writers_results_reach_the_parent_and_the_server_never_loads_to
 def test_the_server_ends_with_a_parent_that_was_killed():
     code = (
         "import signal, time; from megatron_train.checkpoint import results_server; "
-        "s = results_server.start((signal.SIGTERM,)); print(s._process.pid, flush=True); time.sleep(600)"
+        "s = results_server.start((signal.SIGTERM,)); print(s.pid, flush=True); time.sleep(600)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     server = psutil.Process(int(parent.stdout.readline()))

@@ -42,6 +42,15 @@ class ResultsServer:
     def __init__(self, process: subprocess.Popen, client: SyncManager) -> None:
         self._process, self._client = process, client
 
+    @property
+    def pid(self) -> int:
+        """The server process's id."""
+        return self._process.pid
+
+    def running(self) -> bool:
+        """Whether the server process is still running."""
+        return self._process.poll() is None
+
     def queue(self) -> PickledQueue:
         return PickledQueue(self._client.Queue())
 
