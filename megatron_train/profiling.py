@@ -22,8 +22,8 @@ _MEMORY_EVENTS = 100_000
 
 class StepProfiler:
     """Starts torch's profiler before the first profiled step and writes the trace after the
-    last one (or where a stop ends the window early). Every rank takes part, the unprofiled ones
-    in the barrier after the writing, and the writing is left out of the logged step time."""
+    last one. Every rank takes part, the unprofiled ones in the barrier after the writing, and
+    the writing is left out of the logged step time."""
 
     def __init__(
         self, cfg: ExperimentConfig, rank: int, device: torch.device, first_step: int, log: MetricsLogger
@@ -64,17 +64,18 @@ class StepProfiler:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_) -> None:
-        """A window a stop cut short is written as far as it got; a failed step's is dropped."""
-        if kind is None:
-            self._finish()
-        else:
-            self._stop()
+        """Drop the trace of a window that a stop or a failed step cut short: writing it would
+        delay a stop, which a preempted job must finish (its save recorded) before it is killed."""
+        if kind is None and self.window is not None and self._recorded is not None:
+            self.log.info(
+                f"profile: the run stopped after step {self._recorded}, inside the profiled steps "
+                f"{self.window[0]}-{self.window[1]}; their trace is not written"
+            )
+        self._stop()
 
     def _finish(self) -> None:
-        """Write the trace of the steps recorded so far; every rank calls it after the same step."""
-        if self.window is None or self._recorded is None:
-            return
-        first, last = self.window[0], self._recorded
+        """Write the trace; every rank calls it after the window's last step."""
+        first, last = self.window
         self.window = None
         with self.log.left_out():
             if self._profiler is not None:

@@ -192,27 +192,38 @@ def test_a_profile_on_rank_one_records_its_steps_and_leaves_the_training_as_it_w
         assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs unprofiled single-rank {e}"
 
 
-def test_a_resumed_run_profiles_the_rest_of_its_window_and_a_stop_writes_what_it_recorded(
+def test_a_resumed_run_profiles_the_rest_of_its_window_and_a_stop_inside_one_drops_it(
     tmp_path, corpus, trained
 ):
-    """Resumed at step 5 with a window of steps 4-6, the trace covers step 5 on, and a stop after
-    step 5 (train.exit_after_minutes) writes it; a window before the resume point is named."""
+    """Resumed at step 5 with a window of steps 4-5, the trace covers step 5; a stop inside a
+    window (train.exit_after_minutes) does not wait for its trace; a window before the resume
+    point is named."""
     run = tmp_path / "run"
     shutil.copytree(trained["run"], run)
-    profile = {"start_step": 4, "num_steps": 3}
-    config = write_config(tmp_path / "cfg.yaml", corpus, run, train={"steps": 8}, profile=profile)
-    result = single_rank(config, "train.exit_after_minutes=0.001")
-    assert result.returncode == 3, result.stderr[-4000:]
-    assert "stopping after step 5" in result.stdout
+    config = write_config(tmp_path / "cfg.yaml", corpus, run, train={"steps": 8})
+    result = single_rank(config, "profile.start_step=4", "profile.num_steps=2")
+    assert result.returncode == 0, result.stderr[-4000:]
     folder = run / "profile" / "step5"
-    assert [p.name for p in (run / "profile").iterdir()] == ["step5"]
     assert f"profile of step 5 on rank 0: {folder / 'rank0.json.gz'} (" in result.stdout
     steps = {e["name"] for e in _trace_events(folder / "rank0.json.gz") if e["name"].startswith("train step")}
     assert steps == {"train step 5"}
 
-    result = single_rank(config, "profile.start_step=2", "profile.num_steps=2")
+    result = single_rank(
+        config,
+        "train.steps=12",
+        "profile.start_step=9",
+        "profile.num_steps=3",
+        "train.exit_after_minutes=0.001",
+    )
+    assert result.returncode == 3, result.stderr[-4000:]
+    assert "stopping after step 9" in result.stdout
+    assert (
+        "profile: the run stopped after step 9, inside the profiled steps 9-11; their trace is not written"
+        in (result.stdout)
+    )
+    result = single_rank(config, "train.steps=12", "profile.start_step=2", "profile.num_steps=2")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "profile: steps 2-3 were trained before this start (it resumes at step 6)" in result.stdout
+    assert "profile: steps 2-3 were trained before this start (it resumes at step 10)" in result.stdout
     assert [p.name for p in (run / "profile").iterdir()] == ["step5"]
 
 
