@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import resource
@@ -489,6 +490,37 @@ def test_tokens_are_counted_on_across_a_resume_that_changes_batch_and_sequence(t
     assert tokens[4] == 4 * 8 * 64 and tokens[5] == tokens[4] + 16 * 48 and tokens[6] == tokens[5] + 16 * 48
     # A checkpoint written before tokens were counted: its samples at its own sequence length.
     assert Progress.saved({"iteration": 4, "consumed_samples": 32}, 64) == Progress(4, 32, 0, 2048)
+
+
+def test_a_resume_trains_with_the_optimizer_settings_its_config_changed(tmp_path, trained):
+    """optimizer.lr, min_lr, adam_beta2 and adam_eps changed on resume take effect. Before, the
+    loaded param groups kept the checkpoint's, megatron's scheduler decayed between their max_lr
+    and min_lr, and the new checkpoint's config named settings the run had not trained with."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    changed = [
+        "optimizer.lr=2e-3",
+        "optimizer.min_lr=2e-4",
+        "optimizer.adam_beta2=0.9",
+        "optimizer.adam_eps=1e-6",
+    ]
+    result = single_rank(trained["config"], f"logging.run_dir={run}", "train.steps=6", *changed)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "changed since that checkpoint: optimizer.lr: 0.001 -> 0.002; optimizer.min_lr:" in result.stdout
+    lrs = {r["step"]: r["lr"] for r in records(run) if "lr" in r}
+
+    def cosine(step: int, warmup: int = 2, steps: int = 6) -> float:
+        return 2e-4 + (2e-3 - 2e-4) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
+
+    assert lrs[5] == pytest.approx(cosine(5), rel=1e-6) and lrs[6] == pytest.approx(2e-4, rel=1e-6), lrs
+    saved = torch.load(run / "checkpoints" / "iter_0000006" / "common.pt", weights_only=False)
+    for group in saved["optimizer"]["optimizer"]["param_groups"]:
+        assert (group["max_lr"], group["min_lr"], group["betas"], group["eps"]) == (
+            2e-3,
+            2e-4,
+            (0.9, 0.9),
+            1e-6,
+        )
 
 
 def test_finetune_loads_weights_only(tmp_path, trained):

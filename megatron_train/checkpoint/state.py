@@ -273,11 +273,20 @@ def _materialize_optimizer_state(optimizer) -> None:
 
 
 def load_optimizer(optimizer, loaded: dict) -> None:
-    """Put the loaded optimizer state (any layout) into this rank's optimizer."""
+    """Put the loaded optimizer state (any layout) into this rank's optimizer, keeping this run's
+    hyperparameters (the config's peak and minimum LR, Adam's betas and eps): loading brings back
+    the checkpoint's param groups whole, and megatron's scheduler reads each group's ``max_lr`` and
+    ``min_lr``, so a resume with a changed ``optimizer.lr`` trained on with the old one (the
+    problem of Megatron-LM's issue 1138). The LR and weight decay are set by the scheduler's load."""
+    own = [
+        {k: v for k, v in group.items() if k not in ("params", "step")} for group in optimizer.param_groups
+    ]
     # megatron 0.16's dp_reshardable load copies into the main params with autograd on, which
     # fails where they are the model's own fp32 parameters (its fully_reshardable load does not).
     with torch.no_grad(), megatron_compat.keeping_torch_adam_step(optimizer):
         optimizer.load_state_dict(loaded)
+    for group, hyperparameters in zip(optimizer.param_groups, own, strict=True):
+        group.update(hyperparameters)
 
 
 def full_state(
