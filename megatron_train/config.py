@@ -901,12 +901,17 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
         )
 
 
+def _changed_fields(section: Any) -> list[str]:
+    """The fields of a config section set otherwise than its defaults, in declaration order."""
+    default = type(section)()
+    return [
+        f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)
+    ]
+
+
 def _validate_profile(pr: ProfileConfig, steps: int, world_size: int) -> None:
     if pr.start_step is None:
-        changed = [
-            f.name for f in dataclasses.fields(pr) if getattr(pr, f.name) != getattr(ProfileConfig(), f.name)
-        ]
-        if changed:
+        if changed := _changed_fields(pr):
             raise ConfigError(
                 f"profile.{changed[0]}",
                 "has no effect while profile.start_step is null (profiling is off)",
@@ -941,8 +946,7 @@ def _validate_profile(pr: ProfileConfig, steps: int, world_size: int) -> None:
 
 def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> None:
     if m.num_experts is None:
-        moe_keys = [f.name for f in dataclasses.fields(m) if f.name.startswith("moe_")]
-        keys = [f"model.{k}" for k in moe_keys if getattr(m, k) != getattr(ModelConfig, k)]
+        keys = [f"model.{k}" for k in _changed_fields(m) if k.startswith("moe_")]
         keys += ["parallel.expert"] * (p.expert != 1)
         keys += ["parallel.expert_tensor"] * (p.expert_tensor not in (None, p.tensor))
         if keys:
@@ -1003,8 +1007,7 @@ def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
     unused = {"selective": ("recompute_method", "recompute_num_layers"), "full": ("recompute_modules",)}.get(
         m.recompute, ("recompute_modules", "recompute_method", "recompute_num_layers")
     )
-    changed = [k for k in unused if getattr(m, k) != getattr(ModelConfig(), k)]
-    if changed:
+    if changed := [k for k in _changed_fields(m) if k in unused]:
         raise ConfigError(
             f"model.{changed[0]}",
             f"has no effect with model.recompute={m.recompute}",
