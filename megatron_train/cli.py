@@ -4,15 +4,16 @@ traceback. Argument parsing, argument ranges and the reporting of bad-input erro
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
 import sys
 import time
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, ParamSpec
 
-from megatron_train.errors import BAD_INPUT, out_of_room
+from megatron_train.errors import BAD_INPUT, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
@@ -141,6 +142,28 @@ def no_room(err: BaseException, what: str, fix: str) -> str | None:
     return None if cause is None else f"{what} could not be written ({cause}). Fix: {fix}"
 
 
+P = ParamSpec("P")
+
+
+def unusable_paths_are_bad_input(main: Callable[P, int]) -> Callable[P, int]:
+    """``main``, with a path the file system refuses for its form (too long, or a loop of symbolic
+    links) reported as bad input (one line, exit code 2) wherever it is first used: each of the
+    many places that look at a given path would otherwise end in a traceback."""
+
+    @functools.wraps(main)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> int:
+        try:
+            return main(*args, **kwargs)
+        except OSError as err:
+            if (line := unusable_path(err)) is None:
+                raise
+            report_once(line)
+            return EXIT_BAD_INPUT
+
+    return checked
+
+
+@unusable_paths_are_bad_input
 def run(body: Callable[[], None]) -> int:
     """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2, an output
     the file system has no room for one line and exit code 1 (the tools remove what they had

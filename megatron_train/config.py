@@ -616,6 +616,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw != "" else None
     except yaml.YAMLError:
         value = raw
+    except RecursionError:
+        raise ConfigError(key.strip(), "the value nests lists or mappings too deeply", "flatten it") from None
     return key.strip().split("."), value
 
 
@@ -663,6 +665,11 @@ def read_yaml(path: str | Path) -> dict:
         raise ConfigError(
             "--config", f"{path} cannot be read as text ({err})", "pass a readable YAML file"
         ) from err
+    except RecursionError:
+        # PyYAML builds nested lists and mappings recursively.
+        raise ConfigError(
+            "--config", f"{path} nests lists or mappings too deeply to be read", "flatten them"
+        ) from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):

@@ -5,6 +5,7 @@ not bad input, but it too ends in one line (exit code 1)."""
 from __future__ import annotations
 
 import errno
+import os
 
 
 class ConfigError(ValueError):
@@ -54,3 +55,30 @@ def out_of_room(err: BaseException) -> str | None:
 def reason(err: BaseException) -> str:
     """A library exception's message as one line of at most 300 characters, for an error line."""
     return " ".join(str(err).split())[:300] or type(err).__name__
+
+
+def unusable_path(err: BaseException) -> str | None:
+    """The error line (without ``error:``) for ``err`` when the file system refused a path for its
+    form: longer than it allows (a name over 255 bytes, a path over 4096), or through a loop of
+    symbolic links. Such a path can only have come from the input, wherever it was first used.
+    None for any other error."""
+    if not (isinstance(err, OSError) and err.errno in (errno.ENAMETOOLONG, errno.ELOOP)):
+        return None
+    path = _clipped(os.fsdecode(err.filename)) if err.filename is not None else None
+    if err.errno == errno.ELOOP:
+        where = f"the path {path!r}" if path else "a path given"
+        return f"{where} goes through a loop of symbolic links. Fix: correct the links or give another path"
+    if path is None:
+        return f"a path given is longer than the file system allows ({reason(err)}). Fix: shorten it"
+    full = os.fsdecode(err.filename)
+    longest = max(len(name.encode()) for name in full.split("/"))
+    what = f"a name in it is {longest}" if longest > 255 else f"it is {len(full.encode())}"
+    return (
+        f"the path {path!r} is longer than the file system allows: {what} bytes long. "
+        "Fix: shorten it (at most 255 bytes a name, 4096 a path)"
+    )
+
+
+def _clipped(text: str, keep: int = 40) -> str:
+    """``text``, its middle cut when long, so an error line stays readable."""
+    return text if len(text) <= 2 * keep + 3 else f"{text[:keep]}...{text[-keep:]}"

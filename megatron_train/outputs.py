@@ -12,6 +12,11 @@ from pathlib import Path
 
 from megatron_train.errors import ConfigError
 
+NAME_MAX = 255
+"""The longest file name, in bytes, of the file systems Linux clusters use (ext4, xfs, Lustre, NFS)."""
+TEMPORARY_NAME_EXTRA = 17
+"""The most a temporary name adds to an output's name (``.<name>.partial-<pid>``)."""
+
 
 @contextmanager
 def made_dir(path: Path) -> Iterator[Path]:
@@ -65,6 +70,14 @@ def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
             f"drop the suffix: {key} {text[: -len(given)]}",
         )
     prefix = Path(text)
+    allowed = NAME_MAX - max(len(suffix) for suffix in suffixes) - TEMPORARY_NAME_EXTRA
+    if len(prefix.name.encode()) > allowed:
+        raise ConfigError(
+            key,
+            f"its file name is {len(prefix.name.encode())} bytes long, and with the ending the tool "
+            f"adds (a suffix, a temporary name) it would pass the file system's {NAME_MAX} bytes a name",
+            f"shorten {prefix.name[:20]}... to at most {allowed} bytes",
+        )
     check_output_dir(key, prefix.parent)
     check_new_files(key, prefix, suffixes)
     return prefix
@@ -73,7 +86,8 @@ def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
 def check_new_files(key: str, prefix: Path, suffixes: tuple[str, ...]) -> None:
     """No ``prefix`` + suffix file exists yet: a dataset or tokenizer that took hours to make is
     not replaced by a mistyped prefix."""
-    existing = [f"{prefix}{suffix}" for suffix in suffixes if Path(f"{prefix}{suffix}").exists()]
+    # lexists: writing would replace a link that leads nowhere, where the user may mean it to lead.
+    existing = [f"{prefix}{suffix}" for suffix in suffixes if os.path.lexists(f"{prefix}{suffix}")]
     if existing:
         raise ConfigError(
             key, f"{existing[0]} already exists", f"choose another {key} or remove the old files first"
@@ -98,6 +112,13 @@ def check_output_dir(key: str, path: Path) -> None:
     """``path`` exists as a writable directory or can be created as one (nothing is created)."""
     probe = Path(path).absolute()
     while not probe.exists():
+        if probe.is_symlink():
+            # Making the folder would fail on the link, after the run had started.
+            raise ConfigError(
+                key,
+                f"{probe} is a symbolic link to {os.readlink(probe)!r}, which leads nowhere",
+                "correct the link or choose another path",
+            )
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(

@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+@cli.unusable_paths_are_bad_input
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     try:

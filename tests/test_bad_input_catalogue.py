@@ -129,6 +129,20 @@ def _write(rel: str, content: bytes | str) -> Callable[[Path, str], None]:
     return setup
 
 
+def _link(rel: str, target: str) -> Callable[[Path, str], None]:
+    """A symbolic link ``rel`` in the case's folder to ``target`` (relative to the link)."""
+
+    def setup(ws: Path, case_id: str) -> None:
+        path = _case(ws, case_id) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.symlink_to(target)
+
+    return setup
+
+
+LONG_NAME = "n" * 300  # file systems allow 255 bytes a name
+
+
 def _copy_ckpt(damage: Callable[[Path], None] | None = None) -> Callable[[Path, str], None]:
     def setup(ws: Path, case_id: str) -> None:
         dst = _case(ws, case_id) / "ckpt" / "iter_0000004"
@@ -332,6 +346,23 @@ CASES = [
         _train(config="cases/config-key-twice/c.yaml"),
         "key 'model' is given twice",
         _write("c.yaml", "model: {preset: tiny}\ntrain: {steps: 2}\nmodel: {preset: small}\n"),
+    ),
+    Case(
+        "config-nested-too-deeply",
+        "train",
+        _train(config="cases/config-nested-too-deeply/c.yaml"),
+        "nests lists or mappings too deeply",
+        _write("c.yaml", "model: " + "[" * 5000 + "]" * 5000 + "\n"),
+    ),
+    Case(
+        "override-nested-too-deeply",
+        "train",
+        _train("model.num_layers=" + "[" * 5000 + "]" * 5000),
+        "'model.num_layers': the value nests",
+    ),
+    Case("config-name-too-long", "train", _train(config=f"{LONG_NAME}.yaml"), "a name in it is 305 bytes"),
+    Case(
+        "blend-name-too-long", "train", _train(f"data.blend=[WS/{LONG_NAME}]"), "longer than the file system"
     ),
     Case("override-no-equals", "train", _train("train.steps"), "key.sub=value"),
     # argparse kept the last of an option given twice
@@ -596,6 +627,21 @@ CASES = [
         _copy_config,
     ),
     # no shell reads a YAML config: '~/runs' would make a folder named '~' in the working directory
+    Case(
+        "run-dir-through-a-loop-of-links",
+        "train",
+        _train("logging.run_dir=WS/cases/run-dir-through-a-loop-of-links/a/run"),
+        "'logging.run_dir'",
+        _link("a", "a"),
+    ),
+    Case(
+        "run-dir-a-link-to-nowhere",
+        "train",
+        _train("logging.run_dir=WS/cases/run-dir-a-link-to-nowhere/run"),
+        "which leads nowhere",
+        _link("run", "gone"),
+    ),
+    Case("save-dir-name-too-long", "train", _train(f"checkpoint.save_dir=WS/cases/{LONG_NAME}"), "300 bytes"),
     Case(
         "run-dir-with-a-tilde",
         "train",
@@ -878,6 +924,9 @@ CASES = [
         _hf_copy(lambda hf: (hf / "model.safetensors").write_bytes(b"\x00" * 64)),
     ),
     # preflight
+    Case(
+        "preflight-blend-name-too-long", "preflight", _preflight(f"data.blend=[WS/{LONG_NAME}]"), "300 bytes"
+    ),
     Case("preflight-nodes-0", "preflight", _args("--config", "WS/cfg.yaml", "--nodes", "0"), "--nodes"),
     Case(
         "preflight-gpus-negative",
@@ -939,6 +988,12 @@ CASES = [
         "estimate",
     ),
     # submit
+    Case(
+        "submit-config-name-too-long",
+        "submit",
+        _args("--config", f"WS/{LONG_NAME}.yaml", "--dry-run"),
+        "longer than the file system",
+    ),
     Case(
         "submit-bad-time",
         "submit",
@@ -1169,6 +1224,19 @@ CASES = [
         "already exists",
     ),
     Case(
+        "export-hf-over-a-link-to-nowhere",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/export-hf-over-a-link-to-nowhere/hf"),
+        "already exists",
+        _link("hf", "gone"),
+    ),
+    Case(
+        "import-hf-name-too-long",
+        "convert",
+        _args("import-hf", "--hf", f"WS/{LONG_NAME}", "--out", "WS/cases/o"),
+        "longer than the file system",
+    ),
+    Case(
         "export-hf-shard-0",
         "convert",
         _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--max-shard-gib", "0"),
@@ -1217,6 +1285,12 @@ CASES = [
         _copy_ckpt(_same_size_garbage("common.pt")),
     ),
     # generate
+    Case(
+        "generate-tokenizer-name-too-long",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--tokenizer", f"WS/{LONG_NAME}"),
+        "300 bytes",
+    ),
     Case("generate-missing", "generate", _args("--ckpt", "WS/nothing"), "does not exist: give a checkpoint"),
     # A Latin-1 terminal: the byte 0xe9 reaches Python as the surrogate escape U+DCE9.
     Case(
@@ -1312,6 +1386,7 @@ CASES = [
     # inspect (exit 2: no checkpoint; 1: torn or corrupt, reported on stdout)
     Case("inspect-missing", "inspect", _args("WS/nothing"), "does not exist: give a checkpoint"),
     Case("inspect-empty-dir", "inspect", _args("WS/corpus"), "holds no checkpoint"),
+    Case("inspect-name-too-long", "inspect", _args(f"WS/{LONG_NAME}"), "longer than the file system"),
     Case(
         "inspect-checksums-of-a-save-without",
         "inspect",
@@ -1352,6 +1427,21 @@ CASES = [
         code=1,
     ),
     # preprocess
+    Case(
+        "preprocess-output-name-too-long",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            f"WS/cases/{LONG_NAME}",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+            "--tokenizer-type",
+            "sentencepiece",
+        ),
+        "its file name is 300 bytes long",
+    ),
     Case(
         "preprocess-input-missing",
         "preprocess",
@@ -1694,6 +1784,19 @@ CASES = [
     Case("corpus-is-a-folder", "corpus", _args("--output", "WS/corpus/"), "names a folder"),
     Case("corpus-not-yet-a-folder", "corpus", _args("--output", "WS/cases/new/"), "names a folder"),
     Case("corpus-inside-a-file", "corpus", _args("--output", "WS/cfg.yaml/c.jsonl"), "is a file"),
+    Case(
+        "corpus-over-a-link-to-nowhere",
+        "corpus",
+        _args("--output", "WS/cases/corpus-over-a-link-to-nowhere/c.jsonl"),
+        "already exists",
+        _link("c.jsonl", "gone.jsonl"),
+    ),
+    Case(
+        "corpus-name-too-long",
+        "corpus",
+        _args("--output", f"WS/cases/{LONG_NAME}.jsonl"),
+        "is 306 bytes long",
+    ),
     Case("corpus-no-files", "corpus", _args("--output", "WS/cases/c.jsonl", "--max-files", "0"), "'0'"),
 ]
 

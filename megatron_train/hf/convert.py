@@ -49,7 +49,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 def _staging(out: Path) -> Iterator[Path]:
     """A temporary directory beside ``out`` that becomes ``out`` only if the body succeeds."""
     out = Path(out)
-    if out.exists():
+    if os.path.lexists(out):  # a link that leads nowhere, too: the rename would replace it
         raise ConversionError(f"{out} already exists; choose another output directory or remove it")
     check_output_dir("--out", out.parent)
     with made_dir(out.parent):
