@@ -10,6 +10,11 @@ elif [[ -n "${1:-}" && "$1" != -* ]]; then
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then NPROC=$(nvidia-smi -L | wc -l)
 else echo "error: launch/local.sh: no GPU found. Fix: give the number of CPU ranks first: $usage" >&2; exit 2
 fi
+# A shell without the project's environment would end each rank in an import traceback.
+if ! python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('torch') and u.find_spec('megatron_train')))" 2>/dev/null; then
+    echo "error: launch/local.sh: '$(command -v python || echo python)' cannot import torch and megatron_train. Fix: activate the environment megatron-train is installed in (make install; source .venv/bin/activate)" >&2
+    exit 2
+fi
 # One thread per rank: ranks already fill the cores, and oversubscription slows gloo collectives.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # One CUDA work queue per device keeps megatron's TP / sequence-parallel communication ordered

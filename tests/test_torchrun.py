@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,6 +68,20 @@ def test_the_local_launcher_refuses_a_rank_count_it_cannot_start(args, says):
     assert result.returncode == 2
     assert result.stderr.startswith("error: launch/local.sh: ") and says in result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_the_local_launcher_refuses_a_python_without_the_project(tmp_path):
+    """A shell whose ``python`` lacks torch (the environment not activated) is one line, not each
+    rank's import traceback."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bare' / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    command = ["bash", "launch/local.sh", "2", "--config", "configs/demo.yaml"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: launch/local.sh: '{tmp_path}/bare/bin/python' cannot import torch and megatron_train. Fix: "
+        "activate the environment megatron-train is installed in (make install; source .venv/bin/activate)"
+    ]
 
 
 TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
