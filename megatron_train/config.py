@@ -404,7 +404,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    """Run directory, console log, metrics.jsonl and wandb."""
+    """Run directory, console log, metrics.jsonl, wandb and TensorBoard."""
 
     run_dir: FilePath = "runs/default"
     """Directory for the resolved config, metrics.jsonl and data caches."""
@@ -416,6 +416,9 @@ class LoggingConfig:
     """wandb project name."""
     wandb_mode: Literal["online", "offline"] = "offline"
     """``offline`` writes to ``<run_dir>/wandb`` without network; sync later with wandb sync."""
+    tensorboard: bool = False
+    """Also write every logged figure as a TensorBoard scalar into ``<run_dir>/tensorboard``
+    (``tensorboard --logdir <run_dir>/tensorboard``); a resumed run hides the steps it redoes."""
 
 
 @dataclass

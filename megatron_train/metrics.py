@@ -1,4 +1,5 @@
-"""What the run reports: one console line, one metrics.jsonl record and wandb per interval."""
+"""What the run reports: one console line, one metrics.jsonl record, wandb and TensorBoard per
+interval."""
 
 from __future__ import annotations
 
@@ -147,6 +148,7 @@ class MetricsLogger:
         self.cfg, self.run_dir = cfg, run_dir
         self._file = None
         self._wandb = None
+        self._tensorboard = None
 
     def open(self, step: int) -> None:
         """Start writing into the run directory (the resolved config, metrics.jsonl, wandb), once
@@ -163,6 +165,12 @@ class MetricsLogger:
                 self.info(f"wandb run {run.name}: {run.url}")
             else:
                 self.info(f"wandb offline run {run.id}: `wandb sync {Path(run.dir).parent}` uploads it")
+        if self.cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides the earlier events of the steps this start redoes, as metrics.jsonl
+            # drops their records.
+            self._tensorboard = SummaryWriter(self.run_dir / "tensorboard", purge_step=step + 1)
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
@@ -179,11 +187,16 @@ class MetricsLogger:
             tmp.replace(path)
         self._file = open(path, "a")
 
-    def _write(self, record: dict) -> None:
+    def _write(self, record: dict, group: str) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self._tensorboard.add_scalar(f"{group}/{key}", value, record["step"])
+            self._tensorboard.flush()
 
     def start_interval(self) -> None:
         """Start timing steps (just before the first one)."""
@@ -255,7 +268,7 @@ class MetricsLogger:
             f" | mem {record['peak_mem_gib']:.2f} GiB | ETA {eta}",
             flush=True,
         )
-        self._write(record)
+        self._write(record, "train")
 
     def log_validation(self, step: int, val_loss: float) -> None:
         """A validation result."""
@@ -263,7 +276,7 @@ class MetricsLogger:
             return
         ppl = math.exp(min(val_loss, 50.0))
         print(f"validation at step {step} | val loss {val_loss:.4f} | val ppl {ppl:.2f}", flush=True)
-        self._write({"step": step, "val_loss": val_loss})
+        self._write({"step": step, "val_loss": val_loss}, "validation")
 
     def info(self, message: str) -> None:
         """A plain message from the main rank."""
@@ -276,4 +289,6 @@ class MetricsLogger:
             self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         sys.stdout.flush()

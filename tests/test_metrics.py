@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import wandb
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_train.metrics import MetricsLogger, flops_per_token
 from megatron_train.resolve import build_config
@@ -90,6 +91,43 @@ def test_wandb_offline_run_receives_every_record_of_metrics_jsonl(tmp_path):
             # wandb writes a whole float as an integer: 8192.0 as 8192.
             text = json.dumps(int(value) if isinstance(value, float) and value.is_integer() else value)
             assert key.encode() in stored and text.encode() in stored, (key, value)
+
+
+def test_tensorboard_receives_every_record_and_a_resume_hides_the_steps_it_redoes(tmp_path):
+    """logging.tensorboard: each value of the interval and validation records as a scalar in
+    <run_dir>/tensorboard; a start from step 2 hides the first start's step 3, as TensorBoard shows
+    the event files together."""
+    cfg = build_config(
+        {"train": {"steps": 4}, "model": {"vocab_size": 256}, "logging": {"tensorboard": True}}
+    )
+    log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
+    log.open(0)
+    for step in (1, 2, 3):
+        log.log_train(
+            step, tokens=4096 * step, loss=10.0 - step, lr=1e-4, grad_norm=0.5, step_time=0.25, skipped=0
+        )
+    log.log_validation(2, val_loss=9.5)
+    log.close()
+    log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
+    log.open(2)
+    for step in (3, 4):
+        log.log_train(
+            step, tokens=4096 * step, loss=5.0 - step, lr=2e-4, grad_norm=0.5, step_time=0.5, skipped=1
+        )
+    log.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    shown = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert shown["train/loss"] == [(1, 9.0), (2, 8.0), (3, 2.0), (4, 1.0)]
+    assert shown["train/consumed_tokens"] == [(1, 4096), (2, 8192), (3, 12288), (4, 16384)]
+    assert shown["validation/val_loss"] == [(2, 9.5)]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        group = "validation" if "val_loss" in record else "train"
+        for key, value in record.items():
+            if key != "step":
+                assert (record["step"], pytest.approx(value)) in shown[f"{group}/{key}"], key
 
 
 @pytest.mark.slow
