@@ -302,9 +302,14 @@ class OptimizerConfig:
     """Linear warmup steps."""
     decay_style: Literal["cosine", "linear", "WSD", "constant"] = "cosine"
     """Learning-rate decay after warmup."""
+    decay_steps: PositiveInt | None = None
+    """The step, counted from the first, at which the decay reaches ``min_lr`` (Megatron-LM's
+    ``--lr-decay-iters``); later steps train at ``min_lr``. None: ``train.steps``. Set it to keep a
+    run's schedule when a resume changes ``train.steps`` (extending a run), which otherwise
+    stretches the decay over the new length."""
     wsd_decay_steps: PositiveInt | None = None
     """For WSD: steps of the final decay phase, within the steps after warmup (defaults to 10% of
-    training)."""
+    the decay steps)."""
     distributed: bool = True
     """Shard optimizer state over data-parallel ranks (megatron's distributed optimizer)."""
 
@@ -869,25 +874,26 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             f"{m.vocab_pad_multiple} is not divisible by parallel.tensor={p.tensor}",
             "use a multiple of the tensor-parallel size (e.g. 128)",
         )
-    if cfg.optimizer.warmup_steps >= t.steps:
+    o = cfg.optimizer
+    decay_end = o.decay_steps or t.steps
+    within = f"optimizer.decay_steps={o.decay_steps}" if o.decay_steps else f"train.steps={t.steps}"
+    if o.warmup_steps >= decay_end:
         raise ConfigError(
             "optimizer.warmup_steps",
-            f"{cfg.optimizer.warmup_steps} warmup steps leave no decay within train.steps={t.steps}",
-            "use fewer warmup steps than train.steps",
+            f"{o.warmup_steps} warmup steps leave no decay within {within}",
+            f"use fewer warmup steps than {within.split('=')[0]}",
         )
-    o = cfg.optimizer
     if o.wsd_decay_steps is not None and o.decay_style != "WSD":
         raise ConfigError(
             "optimizer.wsd_decay_steps",
             f"applies to optimizer.decay_style=WSD only, not {o.decay_style}",
             "set optimizer.decay_style=WSD or remove optimizer.wsd_decay_steps",
         )
-    if o.wsd_decay_steps is not None and o.wsd_decay_steps > t.steps - o.warmup_steps:
+    if o.wsd_decay_steps is not None and o.wsd_decay_steps > decay_end - o.warmup_steps:
         raise ConfigError(
             "optimizer.wsd_decay_steps",
-            f"{o.wsd_decay_steps} decay steps do not fit after {o.warmup_steps} warmup steps within "
-            f"train.steps={t.steps}",
-            f"use at most {t.steps - o.warmup_steps} decay steps",
+            f"{o.wsd_decay_steps} decay steps do not fit after {o.warmup_steps} warmup steps within {within}",
+            f"use at most {decay_end - o.warmup_steps} decay steps",
         )
     if o.min_lr > o.lr:
         raise ConfigError(

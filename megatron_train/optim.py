@@ -31,14 +31,15 @@ def build_optimizer(
         model_chunks,
     )
     gbs = t.global_batch_size
-    wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, t.steps // 10)
+    decay_end = o.decay_steps or t.steps
+    wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, decay_end // 10)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=o.lr,
         min_lr=o.min_lr,
         lr_warmup_steps=o.warmup_steps * gbs,
-        lr_decay_steps=t.steps * gbs,
+        lr_decay_steps=decay_end * gbs,
         lr_decay_style=o.decay_style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,

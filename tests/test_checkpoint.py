@@ -523,6 +523,30 @@ def test_a_resume_trains_with_the_optimizer_settings_its_config_changed(tmp_path
         )
 
 
+@pytest.mark.parametrize("decay_steps", [None, 4])
+def test_a_resume_that_extends_the_run_keeps_the_decay_end_it_is_given(tmp_path, trained, decay_steps):
+    """train.steps 4 -> 8 on resume: optimizer.decay_steps=4 (the first run's end) keeps its
+    schedule, every further step at min_lr; without it the cosine stretches to step 8 and a line
+    says so, naming the setting that keeps the old end."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    extra = [f"optimizer.decay_steps={decay_steps}"] if decay_steps else []
+    result = single_rank(trained["config"], f"logging.run_dir={run}", "train.steps=8", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lrs = {r["step"]: r["lr"] for r in records(run) if "lr" in r}
+    note = "the learning-rate decay now ends at step 8, not 4, so the lr from here on follows the new "
+    if decay_steps:
+        assert [lrs[step] for step in range(5, 9)] == pytest.approx([3e-5] * 4, rel=1e-6), lrs
+        assert note not in result.stdout
+    else:
+        # warmup 2, decay to step 8: at step 5, half way, cos(pi / 2) = 0
+        assert lrs[5] == pytest.approx(3e-5 + (1e-3 - 3e-5) * 0.5, rel=1e-6), lrs
+        assert (
+            note + "schedule; set optimizer.decay_steps=4 to keep the schedule it was following"
+            in result.stdout
+        )
+
+
 def test_finetune_loads_weights_only(tmp_path, trained):
     result = single_rank(
         trained["config"], f"checkpoint.load={trained['save_dir']}", "checkpoint.finetune=true",

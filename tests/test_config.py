@@ -47,6 +47,18 @@ BAD_INPUTS = [
     (["model.transformer_impl=fast"], 1, "model.transformer_impl"),
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),
     (["optimizer.warmup_steps=100"], 1, "optimizer.warmup_steps"),
+    # the decay ends at optimizer.decay_steps, not train.steps: warmup and WSD's phase fit before it
+    (["optimizer.warmup_steps=3", "optimizer.decay_steps=3"], 1, "optimizer.warmup_steps"),
+    (
+        [
+            "optimizer.decay_style=WSD",
+            "optimizer.decay_steps=4",
+            "optimizer.wsd_decay_steps=4",
+            "optimizer.warmup_steps=1",
+        ],
+        1,
+        "optimizer.wsd_decay_steps",
+    ),  # fmt: skip
     (["model.preset=llama9"], 1, "model.preset"),
     (["model.family=gpt2"], 1, "model.family"),
     (["model.recompute=selective", "model.recompute_modules=[attention]"], 1, "model.recompute_modules"),

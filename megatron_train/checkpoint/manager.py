@@ -40,6 +40,7 @@ from megatron_train.checkpoint.state import (
     check_architecture,
     check_same_optimizer,
     config_changes,
+    decay_end_note,
     full_state,
     load_model,
     load_optimizer,
@@ -474,4 +475,6 @@ class Checkpointer:
         )
         if changes := config_changes(common["config"], to_dict(self.cfg)):
             self.log(f"changed since that checkpoint: {'; '.join(changes)}")
+        if note := decay_end_note(common["config"], to_dict(self.cfg)):
+            self.log(note)
         return progress

@@ -132,6 +132,20 @@ def config_changes(saved: dict, now: dict) -> list[str]:
     return [f"{key}: {old[key]} -> {value}" for key, value in new.items() if key in old and old[key] != value]
 
 
+def decay_end_note(saved: dict, now: dict) -> str | None:
+    """What a resume's changed ``train.steps`` does to the learning-rate decay when the config
+    leaves its end to ``train.steps`` (``optimizer.decay_steps`` null), or None if the end stays."""
+    if now["optimizer"]["decay_style"] == "constant" or now["optimizer"]["decay_steps"]:
+        return None
+    old, new = (tree["optimizer"].get("decay_steps") or tree["train"]["steps"] for tree in (saved, now))
+    if old == new:
+        return None
+    return (
+        f"the learning-rate decay now ends at step {new}, not {old}, so the lr from here on follows "
+        f"the new schedule; set optimizer.decay_steps={old} to keep the schedule it was following"
+    )
+
+
 def record_fields(meta: dict) -> dict:
     """The part of :func:`metadata` the completion record repeats (readable without torch)."""
     return {"version": meta["version"], "layout": meta["layout"]}
