@@ -259,6 +259,11 @@ class DataConfig:
     size) or a flat list ``[weight, prefix, weight, prefix, ...]``."""
     split: Annotated[str, Check(split_parts, "train,valid,test parts such as 98,2,0 (train > 0)")] = "98,2,0"
     """Train/valid/test split of every prefix, in parts."""
+    valid_blend: list[FilePath | Annotated[float, Range(0)]] | None = None
+    """Datasets validation reads, each whole, written as ``blend`` is (Megatron-LM's
+    ``--valid-data-path``): a held-out set kept apart from the training data. Training then reads
+    each dataset of ``blend`` whole as well, so ``split`` is not used. None: validation reads the
+    valid part ``split`` cuts from ``blend``."""
     seq_length: PositiveInt = 256
     """Tokens per training sample."""
     cache_dir: FilePath | None = None
@@ -757,6 +762,19 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
     """Reject impossible layouts and inconsistent options (no files are looked at)."""
     check_fields(cfg)
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    if d.valid_blend is not None:
+        if not d.valid_blend:
+            raise ConfigError(
+                "data.valid_blend",
+                "is an empty list",
+                "list validation datasets, or set it to null to validate on the part data.split cuts",
+            )
+        if "split" in _changed_fields(d):
+            raise ConfigError(
+                "data.split",
+                f"is {d.split!r}, but with data.valid_blend every dataset is read whole",
+                "remove data.split, or data.valid_blend to cut validation from data.blend",
+            )
     model_parallel = p.tensor * p.pipeline * p.context
     if world_size % model_parallel:
         sizes = {"parallel.tensor": p.tensor, "parallel.pipeline": p.pipeline, "parallel.context": p.context}
@@ -1097,15 +1115,16 @@ def _validate_mlp_recompute(m: ModelConfig) -> None:
         )
 
 
-def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
-    """``[w1, p1, w2, p2]`` or ``[p1, p2]`` -> (prefixes, weights or None)."""
+def parse_blend(blend: list[Any], key: str = "data.blend") -> tuple[list[str], list[float] | None]:
+    """``[w1, p1, w2, p2]`` or ``[p1, p2]`` -> (prefixes, weights or None); ``key`` names the
+    option in errors."""
     if all(isinstance(item, str) for item in blend):
         prefixes, weights = list(blend), None
     elif len(blend) % 2 or not all(
         isinstance(w, (int, float)) and isinstance(p, str) for w, p in zip(blend[::2], blend[1::2])
     ):
         raise ConfigError(
-            "data.blend",
+            key,
             f"{blend!r} is neither a list of prefixes nor [weight, prefix, ...] pairs",
             "write [prefix, ...] or [0.7, prefix_a, 0.3, prefix_b]",
         )
@@ -1119,7 +1138,7 @@ def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
             first = seen[path]
             also = "" if first == prefix else f" (also as {first})"
             raise ConfigError(
-                "data.blend",
+                key,
                 f"{prefix} is named twice{also}",
                 "name each dataset once; to weight it up, give it a larger weight in [weight, prefix, ...]",
             )
@@ -1128,13 +1147,32 @@ def parse_blend(blend: list[Any]) -> tuple[list[str], list[float] | None]:
     if zero:
         # megatron-core's blend asserts that every weight is positive
         raise ConfigError(
-            "data.blend",
+            key,
             f"{zero[0]} has weight 0" + (f" (and {len(zero) - 1} more prefixes)" if len(zero) > 1 else ""),
             "leave it out of the blend or give it a positive weight",
         )
     return prefixes, weights
 
 
-def blend_prefixes(blend: list[Any]) -> list[str]:
-    """The dataset prefixes named in a blend."""
-    return parse_blend(blend)[0]
+def split_blends(cfg: ExperimentConfig) -> list[tuple[list[str], list[float] | None] | None]:
+    """The blend each split (train, valid, test) reads, as megatron-core's ``blend_per_split``
+    takes them: with ``data.valid_blend``, ``data.blend`` for training and it for validation (none
+    while validation is off), each dataset whole; otherwise ``data.blend`` for all three, which
+    ``data.split`` cuts."""
+    d = cfg.data
+    train = parse_blend(d.blend)
+    if d.valid_blend is None:
+        return [train, train, train]
+    valid = parse_blend(d.valid_blend, "data.valid_blend") if cfg.train.eval_interval > 0 else None
+    return [train, valid, None]
+
+
+def data_prefixes(d: DataConfig) -> dict[str, str]:
+    """Every dataset prefix the config names, with the option that names it (a dataset in both
+    blends: ``data.blend``)."""
+    named = (
+        {}
+        if d.valid_blend is None
+        else dict.fromkeys(parse_blend(d.valid_blend, "data.valid_blend")[0], "data.valid_blend")
+    )
+    return {**named, **dict.fromkeys(parse_blend(d.blend)[0], "data.blend")}

@@ -13,7 +13,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_train import megatron_compat
-from megatron_train.config import ExperimentConfig, parse_blend
+from megatron_train.config import ExperimentConfig, split_blends
 from megatron_train.inputs import requested_samples
 from megatron_train.tokenizer import load_tokenizer
 
@@ -64,9 +64,12 @@ class IndexProgress(logging.Handler):
 
 
 def index_count(cfg: ExperimentConfig) -> int:
-    """How many dataset indices the blend needs: one per dataset and split with a share."""
+    """How many dataset indices the blends need: one per dataset and split it is read for."""
+    blends = split_blends(cfg)
+    if cfg.data.valid_blend is not None:
+        return sum(len(blend[0]) for blend in blends if blend is not None)
     splits = sum(1 for part in cfg.data.split.split(",") if float(part) > 0)
-    return len(parse_blend(cfg.data.blend)[0]) * splits
+    return len(blends[0][0]) * splits
 
 
 def build_datasets(
@@ -77,8 +80,12 @@ def build_datasets(
     dataset_config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.data.seq_length,
-        blend=parse_blend(cfg.data.blend),
-        split=cfg.data.split,
+        # megatron-core reads a blend per split whole, and one blend cut by the split.
+        **(
+            {"blend_per_split": split_blends(cfg)}
+            if cfg.data.valid_blend is not None
+            else {"blend": split_blends(cfg)[0], "split": cfg.data.split}
+        ),
         path_to_cache=cache_dir,
         num_dataset_builder_threads=cfg.data.build_threads,
         tokenizer=load_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path),

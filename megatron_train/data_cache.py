@@ -61,8 +61,9 @@ def _recorded(cache_dir: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def check_unchanged(cache_dir: str | Path, prefixes: list[str]) -> None:
-    """Refuse a start whose cache holds indices built from another dataset at one of ``prefixes``."""
+def check_unchanged(cache_dir: str | Path, prefixes: dict[str, str]) -> None:
+    """Refuse a start whose cache holds indices built from another dataset at one of ``prefixes``
+    (each with the option that names it)."""
     recorded = _recorded(Path(cache_dir))
     for prefix in prefixes:
         then = recorded.get(prefix)
@@ -76,7 +77,7 @@ def check_unchanged(cache_dir: str | Path, prefixes: list[str]) -> None:
                 else "files of the same size, other documents"
             )
             raise ConfigError(
-                "data.blend",
+                prefixes[prefix],
                 f"{prefix} is not the dataset the index cache in {cache_dir} was built from ({sizes}): "
                 "its cached indices would read documents of the old one",
                 "restore that dataset to continue on the same data, or set data.cache_dir to a new "

@@ -23,11 +23,13 @@ from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
 from megatron_train import data_cache
 from megatron_train.config import (
+    DataConfig,
     ExperimentConfig,
-    blend_prefixes,
     checkpoint_dir,
     data_cache_dir,
+    data_prefixes,
     parse_blend,
+    split_blends,
 )
 from megatron_train.errors import ConfigError
 from megatron_train.outputs import check_output_dir, check_run_dir
@@ -151,26 +153,47 @@ def split_sizes(prefix: str, split: str) -> list[SplitSize | None]:
     return sizes
 
 
-def check_splits_hold_a_sample(sizes: dict[str, list[SplitSize | None]], split: str, seq_length: int) -> None:
-    """Every split with a share (``sizes``: each dataset's :func:`split_sizes`), of every dataset,
-    holds one sample (``seq_length`` + 1 tokens). megatron-core would stop on an assertion for an
+def dataset_split_sizes(d: DataConfig, prefixes: list[str]) -> dict[str, list[SplitSize | None]]:
+    """Each dataset's :func:`split_sizes` as this config reads it: cut by ``data.split``, or, with
+    ``data.valid_blend``, whole for the split (train, valid) whose blend names it."""
+    if d.valid_blend is None:
+        return {prefix: split_sizes(prefix, d.split) for prefix in prefixes}
+    train, valid = set(parse_blend(d.blend)[0]), set(parse_blend(d.valid_blend, "data.valid_blend")[0])
+    sizes = {}
+    for prefix in prefixes:
+        whole = split_sizes(prefix, "1,0,0")[0]
+        sizes[prefix] = [whole if prefix in train else None, whole if prefix in valid else None, None]
+    return sizes
+
+
+def check_splits_hold_a_sample(sizes: dict[str, list[SplitSize | None]], d: DataConfig) -> None:
+    """Every split with a share (``sizes``: :func:`dataset_split_sizes`), of every dataset, holds
+    one sample (``data.seq_length`` + 1 tokens). megatron-core would stop on an assertion for an
     unweighted blend, and loop forever over an empty split of a weighted one."""
     short = [
         (prefix, name, size.tokens)
         for prefix, splits in sizes.items()
         for name, size in zip(_SPLITS, splits, strict=True)
-        if size is not None and size.tokens < seq_length + 1
+        if size is not None and size.tokens < d.seq_length + 1
     ]
-    if short:
-        prefix, name, tokens = short[0]
-        more = f" (and {len(short) - 1} more dataset splits)" if len(short) > 1 else ""
+    if not short:
+        return
+    prefix, name, tokens = short[0]
+    more = f" (and {len(short) - 1} more dataset splits)" if len(short) > 1 else ""
+    sample = f"fewer than one sample of data.seq_length + 1 = {d.seq_length + 1}{more}"
+    if d.valid_blend is None:
         raise ConfigError(
             "data.blend",
-            f"the {name} split of {prefix} (data.split={split}) holds {tokens} tokens, fewer than one "
-            f"sample of data.seq_length + 1 = {seq_length + 1}{more}",
+            f"the {name} split of {prefix} (data.split={d.split}) holds {tokens} tokens, {sample}",
             "merge small datasets with tools/merge_datasets.py, leave this one out, or give that split "
             "no share in data.split",
         )
+    key = "data.valid_blend" if name == "valid" else "data.blend"
+    raise ConfigError(
+        key,
+        f"{prefix} holds {tokens} tokens, {sample}",
+        f"merge small datasets with tools/merge_datasets.py or leave this one out of {key}",
+    )
 
 
 def requested_samples(cfg: ExperimentConfig) -> list[int]:
@@ -189,15 +212,19 @@ def epochs(samples: int, seq_length: int, tokens: int) -> int:
 
 def check_index_memory(cfg: ExperimentConfig, sizes: dict[str, list[SplitSize | None]]) -> None:
     """The dataset indices megatron-core builds in memory for this run (``sizes``: each dataset's
-    :func:`split_sizes`) fit this machine's memory.
+    :func:`dataset_split_sizes`) fit this machine's memory.
 
     A run far longer than its data (``train.steps`` by mistake in the billions) otherwise stops in
     numpy's allocation after a long loop, or loops for hours counting epochs one at a time.
     """
-    prefixes, weights = parse_blend(cfg.data.blend)
     largest = (0, "", "", 0, 0)
     resident = transient = 0
-    for split_index, samples in enumerate(requested_samples(cfg)):
+    for split_index, (samples, blend) in enumerate(
+        zip(requested_samples(cfg), split_blends(cfg), strict=True)
+    ):
+        if blend is None:
+            continue
+        prefixes, weights = blend
         if samples and len(prefixes) > 1:
             resident += samples * _BLEND_INDEX_BYTES
         for i, prefix in enumerate(prefixes):
@@ -265,9 +292,10 @@ def check_inputs(cfg: ExperimentConfig) -> int:
         )
     if not cfg.data.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
-    dtypes = {prefix: check_indexed_dataset(prefix) for prefix in blend_prefixes(cfg.data.blend)}
-    sizes = {prefix: split_sizes(prefix, cfg.data.split) for prefix in dtypes}
-    check_splits_hold_a_sample(sizes, cfg.data.split, cfg.data.seq_length)
+    keys = data_prefixes(cfg.data)
+    dtypes = {prefix: check_indexed_dataset(prefix, key) for prefix, key in keys.items()}
+    sizes = dataset_split_sizes(cfg.data, list(dtypes))
+    check_splits_hold_a_sample(sizes, cfg.data)
     check_index_memory(cfg, sizes)
     tokenizer = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)
     vocab = tokenizer.vocab_size
@@ -280,7 +308,7 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     for prefix, dtype in dtypes.items():
         if np.issubdtype(dtype, np.integer) and vocab - 1 > np.iinfo(dtype).max:
             raise ConfigError(
-                "data.blend",
+                keys[prefix],
                 f"{prefix} stores tokens as {dtype}, too small for the tokenizer's {vocab} tokens: it was "
                 "tokenized with another tokenizer",
                 _RETOKENIZE,
@@ -288,7 +316,7 @@ def check_inputs(cfg: ExperimentConfig) -> int:
         largest = largest_sampled_id(prefix, dtype)
         if largest >= vocab:
             raise ConfigError(
-                "data.blend",
+                keys[prefix],
                 f"{prefix} holds token id {largest}, beyond the tokenizer's {vocab} tokens: it was "
                 "tokenized with another tokenizer",
                 _RETOKENIZE,
@@ -296,5 +324,5 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     check_run_dir("logging.run_dir", Path(cfg.logging.run_dir))
     check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))
     check_output_dir("data.cache_dir", data_cache_dir(cfg))
-    data_cache.check_unchanged(data_cache_dir(cfg), list(dtypes))
+    data_cache.check_unchanged(data_cache_dir(cfg), keys)
     return vocab

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_train import cli
-from megatron_train.config import ExperimentConfig, checkpoint_dir, data_parallel_size
+from megatron_train.config import ExperimentConfig, checkpoint_dir, data_parallel_size, data_prefixes
 from megatron_train.errors import BAD_INPUT, ConfigError
 from megatron_train.memory import MemoryEstimate, estimate, fitting_layouts
 from megatron_train.resolve import resolve
@@ -98,7 +98,7 @@ def run(
         + (f" (experts: EP{p.expert} x ETP{p.expert_tensor or p.tensor})" if cfg.model.num_experts else "")
         + "; "
         f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step",
-        f"data: {len(cfg.data.blend)} blend entries found; the tokenizer fits "
+        f"data: {len(data_prefixes(cfg.data))} datasets found; the tokenizer fits "
         f"model.vocab_size={cfg.model.vocab_size}",
         f"checkpoints: {checkpoint_dir(cfg)} can be written; the job {resume}",
         f"memory per GPU (estimate, {mem.stage} stage): weights {mem.weights / gib:.1f} GiB + grads "

@@ -27,9 +27,9 @@ from megatron_train.checkpoint.manager import SaveFailed
 from megatron_train.config import (
     ConfigError,
     ExperimentConfig,
-    blend_prefixes,
     checkpoint_dir,
     data_cache_dir,
+    data_prefixes,
     to_dict,
 )
 from megatron_train.errors import BAD_INPUT
@@ -191,7 +191,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
             if torn := data_cache.drop_torn_indices(str(cache_dir)):
                 names = ", ".join(p.name for p in torn)
                 log.info(f"data cache: rebuilding what an earlier build cut short (removed {names})")
-            data_cache.record(cache_dir, blend_prefixes(cfg.data.blend))
+            data_cache.record(cache_dir, list(data_prefixes(cfg.data)))
         torch.distributed.barrier()
         train_ds, valid_ds = build_datasets(cfg, str(cache_dir), indices)
     log.info(

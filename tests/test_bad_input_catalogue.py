@@ -546,6 +546,36 @@ CASES = [
         "holds 0 tokens",
         _small_data(docs=4, tokens=400),
     ),
+    # data.valid_blend: a held-out set read whole, so data.split has nothing to cut
+    Case(
+        "valid-blend-beside-a-split", "train", _train("data.valid_blend=[WS/corpus/stdlib]"), "'data.split'"
+    ),
+    Case(
+        "valid-blend-empty", "train", _train("data.split=98,2,0", "data.valid_blend=[]"), "'data.valid_blend'"
+    ),
+    Case(
+        "valid-blend-missing",
+        "train",
+        _train("data.split=98,2,0", "data.valid_blend=[WS/corpus/nothing]"),
+        "'data.valid_blend'",
+    ),
+    Case(
+        "valid-blend-shorter-than-a-sample",
+        "train",
+        _train("data.split=98,2,0", "data.valid_blend=[WS/cases/valid-blend-shorter-than-a-sample/data]"),
+        "'data.valid_blend'",
+        _small_data(docs=1, tokens=10),
+    ),
+    Case(
+        "valid-blend-tokenized-with-a-larger-vocabulary",
+        "train",
+        _train(
+            "data.split=98,2,0",
+            "data.valid_blend=[WS/cases/valid-blend-tokenized-with-a-larger-vocabulary/data]",
+        ),
+        "'data.valid_blend'",
+        _small_data(docs=50, tokens=200, token_id=60000),
+    ),
     # ids beyond the embedding: an index error mid-run on the CPU, a device-side assert on a GPU
     Case(
         "blend-tokenized-with-a-larger-vocabulary",

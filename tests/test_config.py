@@ -47,6 +47,8 @@ BAD_INPUTS = [
     (["model.transformer_impl=fast"], 1, "model.transformer_impl"),
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel"),
     (["optimizer.warmup_steps=100"], 1, "optimizer.warmup_steps"),
+    (["data.valid_blend=[]", "data.split=98,2,0"], 1, "data.valid_blend"),
+    (["data.valid_blend=[/nonexistent/valid]"], 1, "data.split"),  # the good config cuts a split
     # the decay ends at optimizer.decay_steps, not train.steps: warmup and WSD's phase fit before it
     (["optimizer.warmup_steps=3", "optimizer.decay_steps=3"], 1, "optimizer.warmup_steps"),
     (

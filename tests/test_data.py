@@ -12,11 +12,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -163,6 +165,37 @@ def test_index_progress_counts_every_dataset_built_then_read_from_the_cache(
     assert not logging.getLogger(megatron_compat.DATASET_INDEX_LOGGER).handlers
 
 
+def test_a_validation_blend_is_read_whole_and_apart_from_the_training_data(
+    tmp_path, corpus, single_process_group
+):
+    """data.valid_blend (Megatron-LM's --valid-data-path): every validation sample comes from its
+    dataset, all of whose documents it indexes, and training indexes every document of data.blend,
+    where data.split cuts a part off for validation."""
+    held_out = tmp_path / "held_out"
+    with open(f"{held_out}.bin", "wb") as f:
+        writer = TokenWriter(f, np.dtype(np.uint16))
+        writer.add([[7] * 100 for _ in range(30)])
+    writer.write_index(Path(f"{held_out}.idx"))
+    path = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    documents = len(IndexedDataset(str(corpus["prefix"])))
+    cut, _ = build_datasets(load_config(path, []), str(tmp_path / "cut"))
+    assert len(cut.indices) < documents
+
+    raw = yaml.safe_load(path.read_text())
+    del raw["data"]["split"]
+    raw["data"]["valid_blend"] = [str(held_out)]
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path, [])
+    assert index_count(cfg) == 2
+    train, valid = build_datasets(cfg, str(tmp_path / "cache"))
+    assert train.dataset_path == str(corpus["prefix"]) and len(train.indices) == documents
+    assert valid.dataset_path == str(held_out) and len(valid.indices) == 30
+    assert all((valid[i]["tokens"] == 7).all() and (valid[i]["labels"] == 7).all() for i in range(len(valid)))
+    # Validation off: the held-out set is neither indexed nor read.
+    quiet = load_config(path, ["train.eval_interval=0"])
+    assert index_count(quiet) == 1 and build_datasets(quiet, str(tmp_path / "quiet"))[1] is None
+
+
 def test_an_index_file_cut_short_in_the_cache_is_dropped_and_built_again(
     tmp_path, corpus, single_process_group
 ):
@@ -224,7 +257,7 @@ def test_a_dataset_tokenized_again_under_its_prefix_is_refused_until_it_is_resto
     )
     data_cache.record(cache, [str(prefix)])
     build_datasets(cfg, str(cache))
-    data_cache.check_unchanged(cache, [str(prefix)])
+    data_cache.check_unchanged(cache, {str(prefix): "data.blend"})
 
     kept = tmp_path / "kept"
     kept.mkdir()
@@ -237,11 +270,11 @@ def test_a_dataset_tokenized_again_under_its_prefix_is_refused_until_it_is_resto
     writer.write_index(prefix.with_suffix(".idx"))
     assert prefix.with_suffix(".bin").stat().st_size == kept.joinpath("stdlib.bin").stat().st_size
     with pytest.raises(ConfigError, match="is not the dataset the index cache .* same size, other documents"):
-        data_cache.check_unchanged(cache, [str(prefix)])
+        data_cache.check_unchanged(cache, {str(prefix): "data.blend"})
 
     for suffix in (".bin", ".idx"):  # a copy back, with new timestamps, is the same dataset
         shutil.copy(kept / f"stdlib{suffix}", prefix.with_suffix(suffix))
-    data_cache.check_unchanged(cache, [str(prefix)])
+    data_cache.check_unchanged(cache, {str(prefix): "data.blend"})
     assert json.loads((cache / data_cache.RECORD).read_text()).keys() == {str(prefix)}
 
 
