@@ -894,12 +894,13 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
         )
     o = cfg.optimizer
     decay_end = o.decay_steps or t.steps
-    within = f"optimizer.decay_steps={o.decay_steps}" if o.decay_steps else f"train.steps={t.steps}"
+    end_key = "optimizer.decay_steps" if o.decay_steps else "train.steps"
+    within = f"{end_key}={decay_end}"
     if o.warmup_steps >= decay_end:
         raise ConfigError(
             "optimizer.warmup_steps",
             f"{o.warmup_steps} warmup steps leave no decay within {within}",
-            f"use fewer warmup steps than {within.split('=')[0]}",
+            f"use fewer warmup steps than {end_key}",
         )
     if o.wsd_decay_steps is not None and o.decay_style != "WSD":
         raise ConfigError(
