@@ -129,6 +129,16 @@ def _write(rel: str, content: bytes | str) -> Callable[[Path, str], None]:
     return setup
 
 
+def _writes(*files: tuple[str, str]) -> Callable[[Path, str], None]:
+    """Several files in the case's folder, as :func:`_write` writes one."""
+
+    def setup(ws: Path, case_id: str) -> None:
+        for rel, content in files:
+            _write(rel, content)(ws, case_id)
+
+    return setup
+
+
 def _link(rel: str, target: str) -> Callable[[Path, str], None]:
     """A symbolic link ``rel`` in the case's folder to ``target`` (relative to the link)."""
 
@@ -1471,6 +1481,25 @@ CASES = [
             "sentencepiece",
         ),
         "its file name is 300 bytes long",
+    ),
+    Case(
+        "preprocess-output-dir-name-too-long",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/cases/preprocess-output-dir-name-too-long/in",
+            "--output-dir",
+            "WS/cases/preprocess-output-dir-name-too-long/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+            "--tokenizer-type",
+            "sentencepiece",
+        ),
+        "a name of 307 bytes",
+        _writes(
+            ("in/a.jsonl", '{"text": "first"}\n'),
+            ("/".join(["in", *["d" * 100] * 3, "b.jsonl"]), '{"text": "nested"}\n'),
+        ),
     ),
     Case(
         "preprocess-input-missing",
