@@ -322,6 +322,8 @@ def check_inputs(cfg: ExperimentConfig) -> int:
                 _RETOKENIZE,
             )
     check_run_dir("logging.run_dir", Path(cfg.logging.run_dir))
+    if cfg.logging.tensorboard:
+        check_output_dir("logging.tensorboard", Path(cfg.logging.run_dir) / "tensorboard")
     check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))
     check_output_dir("data.cache_dir", data_cache_dir(cfg))
     data_cache.check_unchanged(data_cache_dir(cfg), keys)

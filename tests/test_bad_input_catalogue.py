@@ -683,6 +683,13 @@ CASES = [
     ),
     Case("save-dir-name-too-long", "train", _train(f"checkpoint.save_dir=WS/cases/{LONG_NAME}"), "300 bytes"),
     Case(
+        "tensorboard-folder-is-a-file",
+        "train",
+        _train("logging.tensorboard=true", "logging.run_dir=WS/cases/tensorboard-folder-is-a-file"),
+        "'logging.tensorboard'",
+        _writes(("tensorboard", "notes\n"), ("metrics.jsonl", "")),
+    ),
+    Case(
         "run-dir-with-a-tilde",
         "train",
         _train("logging.run_dir=~/runs/x"),
