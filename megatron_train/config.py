@@ -377,7 +377,8 @@ class CheckpointConfig:
     init_from: FilePath | None = None
     """Weights to start from while save_dir holds no checkpoint yet (``load=auto``): a
     megatron-train checkpoint (an imported one, say) or a Hugging Face model directory, whose
-    config.json then sets the model architecture. Optimizer and step start fresh; once this run
+    config.json then sets the model architecture (``model.max_position_embeddings`` may still be
+    set, to train on longer sequences). Optimizer and step start fresh; once this run
     has saved, restarts resume from save_dir as usual."""
     interval: NonNegativeInt = 0
     """Save every this many steps; 0 disables step-based saves."""

@@ -124,11 +124,14 @@ def _apply_hf_architecture(raw: dict) -> None:
         raise ConfigError(
             "model.preset", "conflicts with the Hugging Face model in checkpoint.init_from", "remove it"
         )
+    # The longest sequence is no weight of these RoPE models: a run may train on longer ones than
+    # the Hugging Face model was made for (a longer context, say).
+    kept = {"max_position_embeddings"} & model.keys()
     for key, value in options.items():
-        if key in model and model[key] != value:
+        if key in model and key not in kept and model[key] != value:
             raise ConfigError(
                 f"model.{key}",
                 f"is {model[key]!r} but {init_from}/config.json has {value!r}",
                 f"remove model.{key}: the Hugging Face model sets it",
             )
-    model.update(options)
+    model.update({key: value for key, value in options.items() if key not in kept})

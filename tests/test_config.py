@@ -197,6 +197,10 @@ def test_init_from_an_hf_model_sets_the_architecture_and_refuses_conflicts(good_
     cfg = load_config(good_config, start)
     validate(cfg, world_size=1)
     assert (cfg.model.num_layers, cfg.model.ffn_hidden_size, cfg.model.norm_eps) == (2, 160, 1e-6)
+    # A longer context than the model was made for: the limit is no weight of a RoPE model.
+    longer = load_config(good_config, [*start, "model.max_position_embeddings=512", "data.seq_length=256"])
+    validate(longer, world_size=1)
+    assert (longer.model.max_position_embeddings, longer.model.num_layers) == (512, 2)
     for overrides, key in [
         ([f"checkpoint.init_from={hf}"], "model.preset"),
         ([*start, "model.hidden_size=128"], "model.hidden_size"),
