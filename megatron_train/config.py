@@ -894,10 +894,10 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "use a multiple of the tensor-parallel size (e.g. 128)",
         )
     o = cfg.optimizer
-    decay_end = o.decay_steps or t.steps
+    end = decay_end(cfg)
     end_key = "optimizer.decay_steps" if o.decay_steps else "train.steps"
-    within = f"{end_key}={decay_end}"
-    if o.warmup_steps >= decay_end:
+    within = f"{end_key}={end}"
+    if o.warmup_steps >= end:
         raise ConfigError(
             "optimizer.warmup_steps",
             f"{o.warmup_steps} warmup steps leave no decay within {within}",
@@ -909,11 +909,11 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             f"applies to optimizer.decay_style=WSD only, not {o.decay_style}",
             "set optimizer.decay_style=WSD or remove optimizer.wsd_decay_steps",
         )
-    if o.wsd_decay_steps is not None and o.wsd_decay_steps > decay_end - o.warmup_steps:
+    if o.wsd_decay_steps is not None and o.wsd_decay_steps > end - o.warmup_steps:
         raise ConfigError(
             "optimizer.wsd_decay_steps",
             f"{o.wsd_decay_steps} decay steps do not fit after {o.warmup_steps} warmup steps within {within}",
-            f"use at most {decay_end - o.warmup_steps} decay steps",
+            f"use at most {end - o.warmup_steps} decay steps",
         )
     if o.min_lr > o.lr:
         raise ConfigError(
@@ -1154,6 +1154,11 @@ def parse_blend(blend: list[Any], key: str = "data.blend") -> tuple[list[str], l
             "leave it out of the blend or give it a positive weight",
         )
     return prefixes, weights
+
+
+def decay_end(cfg: ExperimentConfig) -> int:
+    """The step at which the learning-rate decay reaches ``optimizer.min_lr``."""
+    return cfg.optimizer.decay_steps or cfg.train.steps
 
 
 def split_blends(cfg: ExperimentConfig) -> list[tuple[list[str], list[float] | None] | None]:

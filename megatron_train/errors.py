@@ -7,6 +7,9 @@ from __future__ import annotations
 import errno
 import os
 
+NAME_MAX = 255
+"""The longest file name, in bytes, of the file systems Linux clusters use (ext4, xfs, Lustre, NFS)."""
+
 
 class ConfigError(ValueError):
     """A bad config value; ``key`` is the dotted path of the offending option."""
@@ -72,10 +75,10 @@ def unusable_path(err: BaseException) -> str | None:
         return f"a path given is longer than the file system allows ({reason(err)}). Fix: shorten it"
     full = os.fsdecode(err.filename)
     longest = max(len(name.encode()) for name in full.split("/"))
-    what = f"a name in it is {longest}" if longest > 255 else f"it is {len(full.encode())}"
+    what = f"a name in it is {longest}" if longest > NAME_MAX else f"it is {len(full.encode())}"
     return (
         f"the path {path!r} is longer than the file system allows: {what} bytes long. "
-        "Fix: shorten it (at most 255 bytes a name, 4096 a path)"
+        f"Fix: shorten it (at most {NAME_MAX} bytes a name, 4096 a path)"
     )
 
 

@@ -28,7 +28,6 @@ from megatron_train.config import (
     checkpoint_dir,
     data_cache_dir,
     data_prefixes,
-    parse_blend,
     split_blends,
 )
 from megatron_train.errors import ConfigError
@@ -153,16 +152,16 @@ def split_sizes(prefix: str, split: str) -> list[SplitSize | None]:
     return sizes
 
 
-def dataset_split_sizes(d: DataConfig, prefixes: list[str]) -> dict[str, list[SplitSize | None]]:
-    """Each dataset's :func:`split_sizes` as this config reads it: cut by ``data.split``, or, with
-    ``data.valid_blend``, whole for the split (train, valid) whose blend names it."""
+def dataset_split_sizes(cfg: ExperimentConfig, prefixes: list[str]) -> dict[str, list[SplitSize | None]]:
+    """Each dataset's :func:`split_sizes` as this run reads it: cut by ``data.split``, or, with
+    ``data.valid_blend``, whole for each split whose blend (:func:`split_blends`) names it."""
+    d = cfg.data
     if d.valid_blend is None:
         return {prefix: split_sizes(prefix, d.split) for prefix in prefixes}
-    train, valid = set(parse_blend(d.blend)[0]), set(parse_blend(d.valid_blend, "data.valid_blend")[0])
-    sizes = {}
-    for prefix in prefixes:
-        whole = split_sizes(prefix, "1,0,0")[0]
-        sizes[prefix] = [whole if prefix in train else None, whole if prefix in valid else None, None]
+    sizes: dict[str, list[SplitSize | None]] = {prefix: [None, None, None] for prefix in prefixes}
+    for index, blend in enumerate(split_blends(cfg)):
+        for prefix in blend[0] if blend else []:
+            sizes[prefix][index] = split_sizes(prefix, "1,0,0")[0]
     return sizes
 
 
@@ -294,7 +293,7 @@ def check_inputs(cfg: ExperimentConfig) -> int:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     keys = data_prefixes(cfg.data)
     dtypes = {prefix: check_indexed_dataset(prefix, key) for prefix, key in keys.items()}
-    sizes = dataset_split_sizes(cfg.data, list(dtypes))
+    sizes = dataset_split_sizes(cfg, list(dtypes))
     check_splits_hold_a_sample(sizes, cfg.data)
     check_index_memory(cfg, sizes)
     tokenizer = checked_tokenizer(cfg.data.tokenizer.type, cfg.data.tokenizer.path)

@@ -6,7 +6,7 @@ import torch
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_train.config import ExperimentConfig
+from megatron_train.config import ExperimentConfig, decay_end
 
 
 def build_optimizer(
@@ -31,15 +31,15 @@ def build_optimizer(
         model_chunks,
     )
     gbs = t.global_batch_size
-    decay_end = o.decay_steps or t.steps
-    wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, decay_end // 10)
+    end = decay_end(cfg)
+    wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, end // 10)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=o.lr,
         min_lr=o.min_lr,
         lr_warmup_steps=o.warmup_steps * gbs,
-        lr_decay_steps=decay_end * gbs,
+        lr_decay_steps=end * gbs,
         lr_decay_style=o.decay_style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,

@@ -10,12 +10,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatron_train.errors import ConfigError
+from megatron_train.errors import NAME_MAX, ConfigError
 
-NAME_MAX = 255
-"""The longest file name, in bytes, of the file systems Linux clusters use (ext4, xfs, Lustre, NFS)."""
 TEMPORARY_NAME_EXTRA = 17
 """The most a temporary name adds to an output's name (``.<name>.partial-<pid>``)."""
+
+
+def name_room(suffixes: tuple[str, ...]) -> int:
+    """The longest name, in bytes, an output may have to which a tool adds one of ``suffixes``
+    and, while writing, a temporary ending."""
+    return NAME_MAX - max(len(suffix) for suffix in suffixes) - TEMPORARY_NAME_EXTRA
 
 
 @contextmanager
@@ -70,7 +74,7 @@ def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
             f"drop the suffix: {key} {text[: -len(given)]}",
         )
     prefix = Path(text)
-    allowed = NAME_MAX - max(len(suffix) for suffix in suffixes) - TEMPORARY_NAME_EXTRA
+    allowed = name_room(suffixes)
     if len(prefix.name.encode()) > allowed:
         raise ConfigError(
             key,

@@ -40,14 +40,7 @@ from tqdm import tqdm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.outputs import (
-    NAME_MAX,
-    TEMPORARY_NAME_EXTRA,
-    check_output_dir,
-    dataset_files,
-    made_dir,
-    output_prefix,
-)
+from megatron_train.outputs import check_output_dir, dataset_files, made_dir, name_room, output_prefix
 from megatron_train.text_encoding import Encode, text_encoder
 from megatron_train.text_sources import SUFFIXES, input_files, read_texts
 from megatron_train.token_writer import TokenWriter, token_dtype
@@ -182,7 +175,7 @@ def shard_names(files: list[Path]) -> list[str]:
         suffix = next(s for s in SUFFIXES if relative.endswith(s))
         names.append(relative.removesuffix(suffix).replace("/", "__"))
     seen: dict[str, Path] = {}
-    allowed = NAME_MAX - len(".bin") - TEMPORARY_NAME_EXTRA
+    allowed = name_room((".bin", ".idx"))
     for f, name in zip(files, names, strict=True):
         if len(name.encode()) > allowed:
             # Found before any dataset is written, not when the worker reaches this file.
