@@ -724,6 +724,24 @@ def checkpoint_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.checkpoint.save_dir or Path(cfg.logging.run_dir) / SAVE_DIR_IN_RUN)
 
 
+RUN_FOLDERS = {
+    "logging.tensorboard": "tensorboard",
+    "logging.wandb": "wandb",
+    "profile.start_step": "profile",
+}
+"""The folders a start may write inside logging.run_dir, by the key that turns each on."""
+
+
+def run_folders(cfg: ExperimentConfig) -> dict[str, Path]:
+    """The folders of :data:`RUN_FOLDERS` this start writes, as paths."""
+    on = {
+        "logging.tensorboard": cfg.logging.tensorboard,
+        "logging.wandb": cfg.logging.wandb,
+        "profile.start_step": cfg.profile.start_step is not None,
+    }
+    return {key: Path(cfg.logging.run_dir) / name for key, name in RUN_FOLDERS.items() if on[key]}
+
+
 def data_cache_dir(cfg: ExperimentConfig) -> Path:
     """The directory megatron-core's dataset indices are cached in."""
     return Path(cfg.data.cache_dir or Path(cfg.logging.run_dir) / "data_cache")

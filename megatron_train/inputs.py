@@ -28,6 +28,7 @@ from megatron_train.config import (
     checkpoint_dir,
     data_cache_dir,
     data_prefixes,
+    run_folders,
     split_blends,
 )
 from megatron_train.errors import ConfigError
@@ -321,8 +322,8 @@ def check_inputs(cfg: ExperimentConfig) -> int:
                 _RETOKENIZE,
             )
     check_run_dir("logging.run_dir", Path(cfg.logging.run_dir))
-    if cfg.logging.tensorboard:
-        check_output_dir("logging.tensorboard", Path(cfg.logging.run_dir) / "tensorboard")
+    for key, folder in run_folders(cfg).items():
+        check_output_dir(key, folder)
     check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))
     check_output_dir("data.cache_dir", data_cache_dir(cfg))
     data_cache.check_unchanged(data_cache_dir(cfg), keys)

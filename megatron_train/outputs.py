@@ -104,12 +104,33 @@ def check_run_dir(key: str, path: Path) -> None:
     without one is somebody's own (often the experiment config itself, kept beside its outputs)."""
     check_output_dir(key, path)
     config, metrics = Path(path) / "config.yaml", Path(path) / "metrics.jsonl"
+    for written in (config, metrics):
+        check_output_file(key, written)
     if config.exists() and not metrics.exists():
         raise ConfigError(
             key,
             f"{config} is not a training run's resolved config, and a start would replace it",
             "set it to a new directory, or keep your own config outside the run directory",
         )
+
+
+def check_output_file(key: str, path: Path) -> None:
+    """``path``, where it exists, is a regular file that can be written (appended to or replaced)."""
+    if not os.path.lexists(path):
+        return
+    if not path.exists():
+        raise ConfigError(
+            key,
+            f"{path} is a symbolic link to {os.readlink(path)!r}, which leads nowhere",
+            "correct the link or remove it",
+        )
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise ConfigError(
+            key, f"{path} is {kind}, where the run writes a file", f"move it away or choose another {key}"
+        )
+    if not os.access(path, os.W_OK):
+        raise ConfigError(key, f"{path} is not writable", "make it writable or choose another location")
 
 
 def check_output_dir(key: str, path: Path) -> None:

@@ -10,11 +10,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_train.config import ExperimentConfig
+from megatron_train.config import RUN_FOLDERS, ExperimentConfig
 from megatron_train.metrics import MetricsLogger
-
-PROFILE_DIR = "profile"
-"""The traces' folder in ``logging.run_dir``."""
 
 _MEMORY_EVENTS = 100_000
 """Allocation events a CUDA memory snapshot keeps (torch's own example's figure)."""
@@ -29,7 +26,7 @@ class StepProfiler:
         self, cfg: ExperimentConfig, rank: int, device: torch.device, first_step: int, log: MetricsLogger
     ) -> None:
         self.options, self.rank, self.device, self.log = cfg.profile, rank, device, log
-        self.folder = Path(cfg.logging.run_dir) / PROFILE_DIR
+        self.folder = Path(cfg.logging.run_dir) / RUN_FOLDERS["profile.start_step"]
         self.window: tuple[int, int] | None = None
         self._profiler: torch.profiler.profile | None = None
         self._recorded: int | None = None

@@ -689,6 +689,28 @@ CASES = [
         "'logging.tensorboard'",
         _writes(("tensorboard", "notes\n"), ("metrics.jsonl", "")),
     ),
+    # the run appended to its metrics or wrote its trace after it had started, with a traceback
+    Case(
+        "metrics-file-is-a-folder",
+        "train",
+        _train("logging.run_dir=WS/cases/metrics-file-is-a-folder"),
+        "metrics.jsonl is a directory, where the run writes a file",
+        _write("metrics.jsonl/notes.txt", "mine\n"),
+    ),
+    Case(
+        "metrics-file-a-link-to-nowhere",
+        "train",
+        _train("logging.run_dir=WS/cases/metrics-file-a-link-to-nowhere"),
+        "metrics.jsonl is a symbolic link to 'gone', which leads nowhere",
+        _link("metrics.jsonl", "gone"),
+    ),
+    Case(
+        "profile-folder-is-a-file",
+        "train",
+        _train("profile.start_step=1", "logging.run_dir=WS/cases/profile-folder-is-a-file"),
+        "'profile.start_step'",
+        _writes(("profile", "notes\n"), ("metrics.jsonl", "")),
+    ),
     Case(
         "run-dir-with-a-tilde",
         "train",
