@@ -250,7 +250,7 @@ def sbatch(args: argparse.Namespace, cmd: list[str]) -> subprocess.CompletedProc
     return result
 
 
-@cli.unusable_paths_are_bad_input
+@cli.entry_point
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:

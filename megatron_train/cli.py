@@ -17,6 +17,8 @@ from megatron_train.errors import BAD_INPUT, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+EXIT_INTERRUPTED = 130
+"""128 + SIGINT, the status a shell gives a command Ctrl-C ended."""
 
 
 def report(err: BaseException | str) -> None:
@@ -145,10 +147,13 @@ def no_room(err: BaseException, what: str, fix: str) -> str | None:
 P = ParamSpec("P")
 
 
-def unusable_paths_are_bad_input(main: Callable[P, int]) -> Callable[P, int]:
-    """``main``, with a path the file system refuses for its form (too long, or a loop of symbolic
-    links) reported as bad input (one line, exit code 2) wherever it is first used: each of the
-    many places that look at a given path would otherwise end in a traceback."""
+def entry_point(main: Callable[P, int]) -> Callable[P, int]:
+    """``main``, as every command's: a path the file system refuses for its form (too long, or a
+    loop of symbolic links) is bad input (one line, exit code 2) wherever it is first used, since
+    each of the many places that look at a given path would otherwise end in a traceback; and an
+    interrupt (Ctrl-C) that reaches Python as KeyboardInterrupt ends it with one line from the first
+    rank and exit code 130, as a shell reports it, after the outputs being written were removed on
+    the way out."""
 
     @functools.wraps(main)
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
@@ -159,11 +164,15 @@ def unusable_paths_are_bad_input(main: Callable[P, int]) -> Callable[P, int]:
                 raise
             report_once(line)
             return EXIT_BAD_INPUT
+        except KeyboardInterrupt:
+            if first_rank():
+                report("interrupted before it finished; nothing half-written was kept. Fix: run it again")
+            return EXIT_INTERRUPTED
 
     return checked
 
 
-@unusable_paths_are_bad_input
+@entry_point
 def run(body: Callable[[], None]) -> int:
     """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2, an output
     the file system has no room for one line and exit code 1 (the tools remove what they had

@@ -107,7 +107,7 @@ def run(
     ]
 
 
-@cli.unusable_paths_are_bad_input
+@cli.entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True)

@@ -3,7 +3,8 @@
 
 Exit codes: 0 done; 1 training failed (e.g. a NaN loss); 2 bad config, input or checkpoint, or a
 run directory another run still holds; 3 stopped early by a signal (SIGTERM, SIGUSR1, SIGINT) or
-train.exit_after_minutes after saving a checkpoint: run the same command again to resume.
+train.exit_after_minutes after saving a checkpoint: run the same command again to resume; 130
+interrupted without a save (a second Ctrl-C, or one before training began).
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-@cli.unusable_paths_are_bad_input
+@cli.entry_point
 def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     try:
@@ -306,6 +307,13 @@ def _main(argv: list[str] | None) -> int:
     except TrainingDiverged as err:
         print(f"error on rank {rt.rank}: {err}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
+    except KeyboardInterrupt:  # a second Ctrl-C (stopping.py) does not wait for the save
+        if rt.is_main:
+            cli.report(
+                "interrupted before the run saved; a save it had begun is left torn, and the next start "
+                "skips it. Fix: run the same command again to resume from the last complete checkpoint"
+            )
+        return cli.EXIT_INTERRUPTED
     except SaveFailed as err:
         if rt.is_main:
             print(f"error: {err}", file=sys.stderr)

@@ -245,6 +245,28 @@ def test_a_second_start_in_a_running_run_is_refused_and_sigusr1_saves_with_code_
     assert files.find_latest_complete(tmp_path / "run" / "checkpoints").path is not None
 
 
+def test_a_second_ctrl_c_ends_the_run_at_once_with_one_line_and_code_130(tmp_path, corpus):
+    # 32 micro-batches a step: the two signals, 0.1 s apart, arrive within one step, or the
+    # second during the save the first asked for; either way nothing waits for that save.
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run",
+        train={"steps": 400, "eval_interval": 0, "global_batch_size": 64}, checkpoint={"interval": 1000},
+    )  # fmt: skip
+    log = tmp_path / "run.log"
+    proc = start([sys.executable, "-m", "megatron_train.train", "--config", str(config)], log)
+    wait_for(lambda: "step 2/" in log.read_text(), proc, log, poll=0.02)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text and text.splitlines()[-1] == (
+        "error: interrupted before the run saved; a save it had begun is left torn, and the next start "
+        "skips it. Fix: run the same command again to resume from the last complete checkpoint"
+    ), text[-3000:]
+    assert files.find_latest_complete(tmp_path / "run" / "checkpoints").path is None
+
+
 def test_time_budget_and_minute_interval(tmp_path, corpus):
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run",

@@ -7,8 +7,10 @@ import gzip
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -168,6 +170,29 @@ def test_preprocessing_starts_without_torch_or_megatron(corpus, tmp_path):
     ).stderr  # fmt: skip
     assert re.search(r"\|\s+megatron_train\.text_encoding$", loaded, re.MULTILINE), loaded[-2000:]
     assert not re.findall(r"\|\s+(torch|megatron\.core)$", loaded, re.MULTILINE)
+
+
+def test_ctrl_c_while_writing_is_one_line_with_code_130_and_leaves_no_file(corpus, tmp_path):
+    big = tmp_path / "big.jsonl"
+    big.write_text(corpus["jsonl"].read_text() * 8)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(big), "--output-prefix", str(out / "d"),
+         "--tokenizer", str(corpus["tokenizer"]), "--workers", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (out / "d.bin.tmp").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.splitlines() == [
+        "error: interrupted before it finished; nothing half-written was kept. Fix: run it again"
+    ]
+    assert not list(out.iterdir())
 
 
 def _tool(name: str):

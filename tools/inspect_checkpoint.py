@@ -62,7 +62,7 @@ def _describe_tensors(path: Path) -> list[str]:
     return [f"tensors ({len(tensors)}, {total:,} elements):", *lines]
 
 
-@cli.unusable_paths_are_bad_input
+@cli.entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument(
