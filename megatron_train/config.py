@@ -355,6 +355,11 @@ class TrainConfig:
     exit_after_minutes: NonNegativeFloat = 0.0
     """Wall-clock budget: once exceeded, save a checkpoint and exit with code 3 (resume later);
     0 disables it."""
+    gc_interval: NonNegativeInt = 50
+    """Python's garbage collection during the step loop: automatic collection is off and every
+    rank collects after every this many steps (torchtitan's ``training.gc_freq``, Megatron-LM's
+    ``--manual-gc-interval``), so no rank pauses alone while the others wait for it; 0 leaves
+    Python's automatic collection on."""
 
 
 @dataclass

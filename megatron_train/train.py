@@ -131,6 +131,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     from megatron_train.checkpoint.state import Progress, check_within_steps
     from megatron_train.data import IndexProgress, batch_iterator, build_datasets, index_count
     from megatron_train.evaluation import Evaluator
+    from megatron_train.gc_pacing import GcPacing
     from megatron_train.model import build_model, layer_implementation
     from megatron_train.optim import build_optimizer
     from megatron_train.profiling import StepProfiler
@@ -205,7 +206,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     log.start_interval()
     exit_code, batch = EXIT_OK, cfg.train.global_batch_size
     try:
-        with profiler:
+        with profiler, GcPacing(cfg.train.gc_interval) as collector:
             for step in range(progress.iteration + 1, cfg.train.steps + 1):
                 with profiler.step(step):
                     result = stepper.train_step(train_iters, logged=log.logs_at(step))
@@ -216,6 +217,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
                 evaluator.after_step(step)
                 decision = watch.decide()
                 checkpointer.after_step(progress, decision, model, optimizer, scheduler)
+                collector.after_step(step)
                 if decision.stop and step < cfg.train.steps:
                     why = watch.why(decision)
                     log.info(f"stopping after step {step} on {why}; run the same command again to resume")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_tool
+from tests.conftest import load_tool, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,20 @@ def test_preprocess_benchmark_prints_our_row(corpus):
     assert re.search(r"^\s+1 ours\s+[\d.]+\s+\d+\s+\d+", result.stdout, re.MULTILINE), result.stdout
     for row in ("tokenizer", "whole texts"):
         assert re.search(rf"^\s+1 {row}\s+[\d.]+\s+\d+", result.stdout, re.MULTILINE), result.stdout
+
+
+def test_gc_benchmark_sees_the_loop_collect_only_at_the_paced_steps(tmp_path, corpus):
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "unused")
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gc_pauses.py", "--steps", "5", "--interval", "2",
+         "--config", str(config)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[-2:]}
+    # After the one full collection at the start, only steps 2 and 4 collect (generation 1).
+    assert rows["paced"][3:6] == ["0", "2", "1"], result.stdout[-2000:]
+    assert float(rows["automatic"][-1]) > 0 and float(rows["paced"][-1]) > 0
 
 
 def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_row_first(tmp_path):
