@@ -2,7 +2,7 @@
 
 CPython collects whenever allocations pass its thresholds, so each rank pauses at its own moments
 while the others wait for it in the next collective; a collection of the oldest generation scans
-every object torch and megatron-core built (0.18 s on the 2-core dev machine for a tiny model,
+every object torch and megatron-core built (about 0.2 s on the 2-core dev machine for a tiny model,
 ``benchmarks/gc_pauses.py``). Paced, the step loop runs with automatic collection off: what was
 built before it is collected once and then moved out of the collector's view (``gc.freeze``), and
 every rank collects the young generations after the same steps, as torchtitan's
