@@ -230,7 +230,9 @@ def test_a_resumed_run_profiles_the_rest_of_its_window_and_a_stop_inside_one_dro
 def test_a_trace_that_cannot_be_written_is_one_warning_and_training_goes_on(tmp_path, corpus, trained):
     run = tmp_path / "run"
     shutil.copytree(trained["run"], run)
-    (run / "profile").write_text("a file where the traces' folder would go\n")
+    # A file where the step's trace folder would go: the start checks only the profile folder.
+    (run / "profile").mkdir()
+    (run / "profile" / "step5").write_text("a file where the traces' folder would go\n")
     config = write_config(tmp_path / "cfg.yaml", corpus, run, profile={"start_step": 5, "num_steps": 1})
     result = single_rank(config)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -238,7 +240,7 @@ def test_a_trace_that_cannot_be_written_is_one_warning_and_training_goes_on(tmp_
     assert len(warnings) == 1 and "the profile of step 5 could not be written to" in warnings[0], warnings
     assert "training goes on without it" in warnings[0]
     assert [r["step"] for r in records(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
-    assert (run / "profile").read_text() == "a file where the traces' folder would go\n"
+    assert (run / "profile" / "step5").read_text() == "a file where the traces' folder would go\n"
 
 
 def test_interleaved_pipeline_matches_single_rank(tmp_path, corpus):
