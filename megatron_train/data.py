@@ -144,6 +144,34 @@ def batch_loader(
     )
 
 
+class TimedBatches:
+    """Micro-batches from ``batches``, counting the seconds ``next`` waited for them: the time a
+    step stood still for its data (the loader's workers behind, a slow file system)."""
+
+    def __init__(self, batches: Iterator[dict[str, torch.Tensor]]) -> None:
+        self._batches, self.waited_s = batches, 0.0
+
+    def __iter__(self) -> TimedBatches:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        began = time.perf_counter()
+        try:
+            return next(self._batches)
+        finally:
+            self.waited_s += time.perf_counter() - began
+
+
+def slowest_wait(batches: list[TimedBatches], device: torch.device) -> float:
+    """The most seconds any rank waited for its micro-batches since the last call (a collective:
+    every rank calls it at the same step). One rank's wait holds every other one up."""
+    waited = torch.tensor([sum(b.waited_s for b in batches)], dtype=torch.float64, device=device)
+    for b in batches:
+        b.waited_s = 0.0
+    torch.distributed.all_reduce(waited, op=torch.distributed.ReduceOp.MAX)
+    return waited.item()
+
+
 def batch_iterator(
     dataset: GPTDataset, consumed_samples: int, cfg: ExperimentConfig, num_samples: int | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:

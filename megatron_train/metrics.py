@@ -21,6 +21,10 @@ import yaml
 from megatron_train.config import RUN_FOLDERS, ConfigError, ExperimentConfig, to_dict
 from megatron_train.models.registry import family_of
 
+DATA_WAIT_SHOWN = 0.05
+"""The share of the step time spent waiting for data from which the console line shows it: below
+that the loader keeps up, and the figure is in metrics.jsonl."""
+
 # Dense bf16 peak per GPU (TFLOP/s), for MFU; the first key found in torch.cuda.get_device_name()
 # wins, so the PCIe and NVL H100s come before the SXM one ("NVIDIA H100 80GB HBM3").
 _PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
@@ -215,14 +219,16 @@ class MetricsLogger:
             self._interval_start += time.perf_counter() - began
 
     def after_step(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float, skipped: int,
-                   moe: dict[str, float] | None = None) -> None:  # fmt: skip
+                   moe: dict[str, float] | None = None, data_wait: float = 0.0) -> None:  # fmt: skip
         """Count a step (``tokens`` trained on so far); at each ``logging.log_interval`` and the
-        last step, log the interval."""
+        last step, log the interval, over which the slowest rank waited ``data_wait`` seconds for
+        its batches."""
         self._interval_steps += 1
         if not self.logs_at(step):
             return
-        step_time = (time.perf_counter() - self._interval_start) / self._interval_steps
-        self.log_train(step, tokens, loss, lr, grad_norm, step_time, skipped, moe)
+        steps = self._interval_steps
+        step_time = (time.perf_counter() - self._interval_start) / steps
+        self.log_train(step, tokens, loss, lr, grad_norm, step_time, skipped, moe, data_wait / steps)
         self.start_interval()
 
     def logs_at(self, step: int) -> bool:
@@ -231,9 +237,11 @@ class MetricsLogger:
         return step % self.log_interval == 0 or step == self.total_steps
 
     def log_train(self, step: int, tokens: int, loss: float, lr: float, grad_norm: float,
-                  step_time: float, skipped: int, moe: dict[str, float] | None = None) -> None:  # fmt: skip
-        """One interval's line; ``step_time`` is the mean seconds per step over the interval;
-        ``moe`` holds a mixture of experts' router figures over the interval (``RouterStats``)."""
+                  step_time: float, skipped: int, moe: dict[str, float] | None = None,
+                  data_wait: float = 0.0) -> None:  # fmt: skip
+        """One interval's line; ``step_time`` is the mean seconds per step over the interval, of
+        which the slowest rank spent ``data_wait`` waiting for its data; ``moe`` holds a mixture of
+        experts' router figures over the interval (``RouterStats``)."""
         if not self.enabled:
             return
         tokens_per_s = self.tokens_per_step / step_time
@@ -245,6 +253,7 @@ class MetricsLogger:
             "lr": lr,
             "grad_norm": grad_norm,
             "step_time_s": step_time,
+            "data_wait_s": data_wait,
             "tokens_per_s": tokens_per_s,
             "tflops_per_device": tflops,
             "peak_mem_gib": peak_memory_gib(),
@@ -263,9 +272,14 @@ class MetricsLogger:
             ]
             if key in record
         )
+        waiting = (
+            f" | data wait {100 * data_wait / step_time:.0f}%"
+            if data_wait >= DATA_WAIT_SHOWN * step_time
+            else ""
+        )
         print(
             f"step {step}/{self.total_steps} | tokens {record['consumed_tokens']:,} | loss {loss:.4f}"
-            f" | lr {lr:.3e} | grad norm {grad_norm:.3f}{router} | {step_time * 1000:.0f} ms/step"
+            f" | lr {lr:.3e} | grad norm {grad_norm:.3f}{router} | {step_time * 1000:.0f} ms/step{waiting}"
             f" | {tokens_per_s:,.0f} tok/s | {tflops:.3f} TFLOP/s/dev{mfu}"
             f" | mem {record['peak_mem_gib']:.2f} GiB | ETA {eta}",
             flush=True,

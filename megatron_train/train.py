@@ -127,9 +127,8 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     """The body of :func:`train`: model, resume, data, then the step loop; returns the exit code."""
     from megatron.core import parallel_state
 
-    from megatron_train import warm_start
+    from megatron_train import data, warm_start
     from megatron_train.checkpoint.state import Progress, check_within_steps
-    from megatron_train.data import IndexProgress, batch_iterator, build_datasets, index_count
     from megatron_train.evaluation import Evaluator
     from megatron_train.gc_pacing import GcPacing
     from megatron_train.model import build_model, layer_implementation
@@ -184,7 +183,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     )
 
     started = time.perf_counter()
-    indices = IndexProgress(index_count(cfg), log.info)
+    indices = data.IndexProgress(data.index_count(cfg), log.info)
     with (
         data_cache.building(cache_dir, log.info) if rt.is_main else contextlib.nullcontext(),
         runtime.patient_collectives(cfg.data.build_timeout_minutes),
@@ -195,12 +194,14 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
                 log.info(f"data cache: rebuilding what an earlier build cut short (removed {names})")
             data_cache.record(cache_dir, list(data_prefixes(cfg.data)))
         torch.distributed.barrier()
-        train_ds, valid_ds = build_datasets(cfg, str(cache_dir), indices)
+        train_ds, valid_ds = data.build_datasets(cfg, str(cache_dir), indices)
     log.info(
         f"datasets ready in {time.perf_counter() - started:.1f} s (indices: {indices.summary()}): "
         f"{len(train_ds):,} training samples, {len(valid_ds) if valid_ds else 0:,} validation samples"
     )
-    train_iters = [batch_iterator(train_ds, progress.consumed_samples, cfg) for _ in model]
+    train_iters = [
+        data.TimedBatches(data.batch_iterator(train_ds, progress.consumed_samples, cfg)) for _ in model
+    ]
     evaluator = Evaluator(cfg, stepper, valid_ds, log)
     profiler = StepProfiler(cfg, rt.rank, rt.device, progress.iteration + 1, log)
     log.start_interval()
@@ -212,8 +213,9 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
                     result = stepper.train_step(train_iters, logged=log.logs_at(step))
                 result.check_finite(step)
                 progress = progress.advanced(batch, batch * cfg.data.seq_length, result.skipped)
+                waited = data.slowest_wait(train_iters, rt.device) if log.logs_at(step) else 0.0
                 log.after_step(step, progress.consumed_tokens, result.loss, result.lr, result.grad_norm,
-                               progress.skipped_steps, result.moe)  # fmt: skip
+                               progress.skipped_steps, result.moe, data_wait=waited)  # fmt: skip
                 evaluator.after_step(step)
                 decision = watch.decide()
                 checkpointer.after_step(progress, decision, model, optimizer, scheduler)

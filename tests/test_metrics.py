@@ -3,11 +3,14 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 import wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_train.data import TimedBatches, slowest_wait
 from megatron_train.metrics import MetricsLogger, flops_per_token
 from megatron_train.resolve import build_config
 from tests.conftest import ROOT, torchrun_env, write_config
@@ -158,3 +161,39 @@ def test_a_wandb_server_out_of_reach_stops_every_rank_in_one_line_and_leaves_the
     assert (run_dir / "config.yaml").read_text() == "the config of an earlier start\n"
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
     assert not (run_dir / "wandb").exists()
+
+
+def test_the_line_shows_data_wait_once_it_is_a_twentieth_of_the_step(tmp_path, capsys):
+    cfg = build_config({"train": {"steps": 4}, "model": {"vocab_size": 256}})
+    log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
+    log.open(0)
+    log.log_train(1, tokens=1, loss=1.0, lr=1.0, grad_norm=1.0, step_time=0.5, skipped=0, data_wait=0.2)
+    log.log_train(2, tokens=2, loss=1.0, lr=1.0, grad_norm=1.0, step_time=0.5, skipped=0, data_wait=0.02)
+    log.close()
+    first, second = capsys.readouterr().out.splitlines()
+    assert "| 500 ms/step | data wait 40% |" in first and "data wait" not in second
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["data_wait_s"] for r in records] == [0.2, 0.02]
+
+
+def _wait_on_rank(rank: int, store: str, waits: list) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+
+    def slow():
+        while True:
+            time.sleep(0.2 if rank == 1 else 0.0)
+            yield {}
+
+    batches = [TimedBatches(slow())]
+    for _ in range(3):
+        next(batches[0])
+    waits[rank] = slowest_wait(batches, torch.device("cpu"))
+    waits[rank + 2] = slowest_wait(batches, torch.device("cpu"))
+    torch.distributed.destroy_process_group()
+
+
+def test_every_rank_reports_the_slowest_ranks_data_wait_and_the_count_restarts(tmp_path):
+    waits = torch.multiprocessing.get_context("spawn").Manager().list([0.0] * 4)
+    torch.multiprocessing.spawn(_wait_on_rank, args=(str(tmp_path / "store"), waits), nprocs=2)
+    assert 0.6 <= waits[0] == waits[1] < 1.5, list(waits)
+    assert waits[2] == waits[3] == 0.0
