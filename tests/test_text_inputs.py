@@ -181,6 +181,9 @@ def test_ctrl_c_while_writing_is_one_line_with_code_130_and_leaves_no_file(corpu
         [sys.executable, "tools/preprocess_data.py", "--input", str(big), "--output-prefix", str(out / "d"),
          "--tokenizer", str(corpus["tokenizer"]), "--workers", "1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # as from a terminal: a shell starts a background job's commands with SIGINT ignored, and
+        # Python then leaves it ignored (a test run started with `&` would see the tool finish)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while not (out / "d.bin.tmp").exists():
