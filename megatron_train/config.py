@@ -729,22 +729,26 @@ def checkpoint_dir(cfg: ExperimentConfig) -> Path:
     return Path(cfg.checkpoint.save_dir or Path(cfg.logging.run_dir) / SAVE_DIR_IN_RUN)
 
 
+class RunFolder(typing.NamedTuple):
+    """A folder a start may write inside logging.run_dir."""
+
+    name: str
+    on: Callable[[ExperimentConfig], bool]
+    """Whether this config makes the start write it."""
+
+
 RUN_FOLDERS = {
-    "logging.tensorboard": "tensorboard",
-    "logging.wandb": "wandb",
-    "profile.start_step": "profile",
+    "logging.tensorboard": RunFolder("tensorboard", lambda cfg: cfg.logging.tensorboard),
+    "logging.wandb": RunFolder("wandb", lambda cfg: cfg.logging.wandb),
+    "profile.start_step": RunFolder("profile", lambda cfg: cfg.profile.start_step is not None),
 }
 """The folders a start may write inside logging.run_dir, by the key that turns each on."""
 
 
 def run_folders(cfg: ExperimentConfig) -> dict[str, Path]:
     """The folders of :data:`RUN_FOLDERS` this start writes, as paths."""
-    on = {
-        "logging.tensorboard": cfg.logging.tensorboard,
-        "logging.wandb": cfg.logging.wandb,
-        "profile.start_step": cfg.profile.start_step is not None,
-    }
-    return {key: Path(cfg.logging.run_dir) / name for key, name in RUN_FOLDERS.items() if on[key]}
+    run_dir = Path(cfg.logging.run_dir)
+    return {key: run_dir / f.name for key, f in RUN_FOLDERS.items() if f.on(cfg)}
 
 
 def data_cache_dir(cfg: ExperimentConfig) -> Path:

@@ -86,7 +86,7 @@ def _start_wandb(cfg: ExperimentConfig, run_dir: Path):
     its folder is left as it was."""
     import wandb
 
-    folder = run_dir / RUN_FOLDERS["logging.wandb"]
+    folder = run_dir / RUN_FOLDERS["logging.wandb"].name
     before = _entries(folder)
     # Silent: wandb's service would print where a failed start's logs are below the one-line error
     # (the run's own line is ours, in open). Its login note is shown once the run has started.
@@ -175,7 +175,7 @@ class MetricsLogger:
             # purge_step hides the earlier events of the steps this start redoes, as metrics.jsonl
             # drops their records.
             self._tensorboard = SummaryWriter(
-                self.run_dir / RUN_FOLDERS["logging.tensorboard"], purge_step=step + 1
+                self.run_dir / RUN_FOLDERS["logging.tensorboard"].name, purge_step=step + 1
             )
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         path = self.run_dir / "metrics.jsonl"

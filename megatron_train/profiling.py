@@ -26,7 +26,7 @@ class StepProfiler:
         self, cfg: ExperimentConfig, rank: int, device: torch.device, first_step: int, log: MetricsLogger
     ) -> None:
         self.options, self.rank, self.device, self.log = cfg.profile, rank, device, log
-        self.folder = Path(cfg.logging.run_dir) / RUN_FOLDERS["profile.start_step"]
+        self.folder = Path(cfg.logging.run_dir) / RUN_FOLDERS["profile.start_step"].name
         self.window: tuple[int, int] | None = None
         self._profiler: torch.profiler.profile | None = None
         self._recorded: int | None = None
