@@ -8,12 +8,14 @@ On the node: the checkout, and wheelhouse/ from ``tools/build_wheelhouse.sh --py
 first unless megatron-core already imports; the freeze is the lent GPU image's ``pip list``).
 A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
 this script runs the whole plan in one command. Each step is a real command line (the offline
-install, benchmarks/throughput.py eager and compiled, benchmarks/gpu_smoke.py,
-benchmarks/cross_entropy_memory.py); it gets at most its own cap and what is left of the budget,
-and a step that fails or runs out of time does not stop the next. Every step's output goes to
-``OUT/<step>.log`` and a table of what ran, how long and how it ended to ``OUT/summary.txt``,
-so what a cut-short session measured still comes back. ``--cpu`` runs the same steps at the tiny
-shape on this machine, leaving out the GPU smoke test (it needs CUDA).
+install, benchmarks/throughput.py eager, profiled, compiled and at micro-batch 4,
+benchmarks/gpu_smoke.py, benchmarks/cross_entropy_memory.py); it gets at most its own cap and what
+is left of the budget, and a step that fails or runs out of time does not stop the next. Every
+step's output goes to ``OUT/steps.log`` under a header line of its own, the profiler's table and
+trace to ``OUT/profile/``, and a table of what ran, how long and how it ended to
+``OUT/summary.txt``, so what a cut-short session measured still comes back (in few files: a
+device call brings back at most eight). ``--cpu`` runs the same steps at the tiny shape on this
+machine, leaving out the GPU smoke test (it needs CUDA).
 
 A wheelhouse built ``--with-te cu13`` makes the plan Transformer Engine's: the install compiles
 TE's torch extension against the node's torch (capped at 480 s), then the TE row, then ours beside
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MIN_STEP_S = 45
 """A step is not started with less time than this left: it would only spend it starting up."""
 TAIL_LINES = 12
+HEADER = "=== step "
 
 
 @dataclass(frozen=True)
@@ -49,14 +52,11 @@ class Step:
     argv: list[str]
 
 
-def plan(cpu: bool, wheelhouse: Path = ROOT / "wheelhouse") -> list[Step]:
+def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[Step]:
     py = sys.executable
     # The CPU dry run: every script and flag the GPU run uses, at the tiny shape.
-    tiny = (
-        ["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1"]
-        if cpu
-        else ["--steps", "10", "--warmup", "3"]
-    )
+    shape = ["--device", "cpu", "--tiny"] if cpu else []
+    tiny = [*shape, "--steps", "1", "--warmup", "1"] if cpu else ["--steps", "10", "--warmup", "3"]
     # A wheelhouse built --with-te makes this Transformer Engine's session: its torch extension
     # compiles in the install step (minutes), and the TE row comes first, ours beside it in its own
     # step so that each table is printed even if the budget runs out before the other.
@@ -77,15 +77,22 @@ def plan(cpu: bool, wheelhouse: Path = ROOT / "wheelhouse") -> list[Step]:
         Step("throughput_eager", 300, [py, "benchmarks/throughput.py", "--frameworks", frameworks, *tiny])
     )
     if not te:
+        # Where the local spec's step goes: the operators by GPU time and how busy the GPU is.
+        profiled = ["--frameworks", "ours", *shape, "--steps", "2", "--warmup", "3", "--profile"]
+        steps.append(Step("profile", 150, [py, "benchmarks/throughput.py", *profiled, str(out / "profile")]))
         # TE fuses its own kernels; the compiled rows of the local spec are the other sessions'.
         compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
         steps.append(Step("throughput_compiled", 300, [py, "benchmarks/throughput.py", *compiled, *tiny]))
+        # Half the micro-batches for the same tokens: per-micro-batch costs (launches, the fp32
+        # gradient accumulation) halve, activations double.
+        larger = ["--frameworks", "ours", "--micro-batch", "4", "--grad-accum", "2", *tiny]
+        steps.append(Step("micro_batch_4", 150, [py, "benchmarks/throughput.py", *larger]))
     if not cpu:
-        # Measured on a GPU before (README), so it comes after the rows never measured.
-        # Its runs and checkpoints stay on the node; only its log comes back.
+        # The demo (its loop paces garbage collection and times data waits) and profiling, on a
+        # GPU; the resume was measured there before (README). Runs stay on the node.
         runs = Path(tempfile.gettempdir(), f"gpu_smoke-{os.getpid()}-{time.time_ns()}")
-        smoke = [py, "benchmarks/gpu_smoke.py", "--out", str(runs), "--checks", "demo,resume,profile"]
-        steps.append(Step("smoke", 270, smoke))
+        smoke = [py, "benchmarks/gpu_smoke.py", "--out", str(runs), "--checks", "demo,profile"]
+        steps.append(Step("smoke", 200, smoke))
     ce = ["--seq", "64", "--vocab", "512", "--repeats", "1"] if cpu else []
     steps.append(Step("cross_entropy_memory", 150, [py, "benchmarks/cross_entropy_memory.py", *ce]))
     return steps
@@ -97,10 +104,10 @@ def _imports(module: str) -> bool:
 
 
 def run_step(step: Step, timeout_s: float, log: Path) -> str:
-    """Run one step into ``log``; returns how it ended. The step's whole process group goes when
-    it runs out of time (torchrun and its ranks too)."""
-    with open(log, "w") as out:
-        out.write(f"$ {' '.join(step.argv)}\n")
+    """Run one step, appending its output to ``log`` under a header; returns how it ended. The
+    step's whole process group goes when it runs out of time (torchrun and its ranks too)."""
+    with open(log, "a") as out:
+        out.write(f"{HEADER}{step.name}\n$ {' '.join(step.argv)}\n")
         out.flush()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -112,6 +119,14 @@ def run_step(step: Step, timeout_s: float, log: Path) -> str:
             proc.wait()
             return f"out of time after {timeout_s:.0f} s"
     return "ok" if code == 0 else f"failed (exit {code})"
+
+
+def step_outputs(log: Path) -> dict[str, str]:
+    """Each step's output in the session log, by step name."""
+    if not log.exists():
+        return {}
+    parts = log.read_text().split(HEADER)[1:]
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in parts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,25 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     rows = []
-    for step in plan(args.cpu, args.wheelhouse):
+    log = out / "steps.log"
+    for step in plan(args.cpu, out, args.wheelhouse):
         left = deadline - time.monotonic()
         if left < MIN_STEP_S:
             rows.append((step.name, 0.0, f"skipped ({left:.0f} s of the budget left)"))
             continue
         started = time.monotonic()
-        ended = run_step(step, min(step.cap_s, left), out / f"{step.name}.log")
+        ended = run_step(step, min(step.cap_s, left), log)
         rows.append((step.name, time.monotonic() - started, ended))
         print(f"{step.name}: {ended} in {rows[-1][1]:.0f} s", flush=True)
     summary = "\n".join(f"{name:<22} {seconds:6.0f} s  {ended}" for name, seconds, ended in rows) + "\n"
     (out / "summary.txt").write_text(summary)
     # The call's reply shows only the end of the output: each step's last lines (its table) go there.
-    for name, _, _ in rows:
-        if (log := out / f"{name}.log").exists():
-            print(
-                f"--- {name} (last lines of {log.name})",
-                *log.read_text().splitlines()[-TAIL_LINES:],
-                sep="\n",
-            )
+    for name, output in step_outputs(log).items():
+        print(f"--- {name} (last lines)", *output.splitlines()[-TAIL_LINES:], sep="\n")
     print(summary, end="")
     return 0 if all(ended == "ok" for _, _, ended in rows) else 1
 

@@ -200,13 +200,33 @@ def _profiler(args, name: str):
     out.mkdir(parents=True, exist_ok=True)
 
     def done(prof):
-        prof.export_chrome_trace(str(out / f"{name}.json"))
+        prof.export_chrome_trace(str(out / f"{name}.json.gz"))
+        events = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        (out / f"{name}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+        (out / f"{name}.txt").write_text(
+            _busy_line(events, torch.cuda.is_available()) + "\n" + events.table(sort_by=sort, row_limit=40)
+        )
 
     # Trace two steps after the warm-up; the timings of traced steps are not reported as figures.
     schedule = torch.profiler.schedule(wait=0, warmup=args.warmup, active=2, repeat=1)
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=done)
+
+
+def _busy_line(events, gpu: bool) -> str:
+    """How much of a traced step the GPU spent in kernels: far under 100 % means the host (Python,
+    launches, synchronisations) holds the GPU back, not the kernels."""
+    steps = [e for e in events if e.key.startswith("ProfilerStep")]
+    count = max(1, sum(e.count for e in steps))
+    wall_ms = sum(e.cpu_time_total for e in steps) / count / 1e3
+    line = f"per traced step: {wall_ms:.1f} ms wall"
+    if gpu and wall_ms:
+        from torch.autograd import DeviceType
+
+        # As the table's own total: kernel rows only (each op's row repeats its kernels' time).
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        kernels_ms = sum(e.self_device_time_total for e in kernels) / count / 1e3
+        line += f", {kernels_ms:.1f} ms of GPU kernels ({100 * kernels_ms / wall_ms:.0f} %)"
+    return line
 
 
 # torchtitan 0.3 reads its Trainer config from a Python module: this one is written to a scratch dir.

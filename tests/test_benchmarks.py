@@ -75,7 +75,7 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     def frameworks(step) -> str:
         return step.argv[step.argv.index("--frameworks") + 1]
 
-    steps = session.plan(cpu=False, wheelhouse=tmp_path)
+    steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
     assert names == ["install", "throughput_te", "throughput_eager", "smoke", "cross_entropy_memory"]
@@ -83,25 +83,36 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     assert frameworks(steps[1]) == "ours-te" and frameworks(steps[2]) == "ours"
 
     sdist.unlink()
-    steps = session.plan(cpu=False, wheelhouse=tmp_path)
+    steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
-    assert names == ["throughput_eager", "throughput_compiled", "smoke", "cross_entropy_memory"]
+    assert names == [
+        "throughput_eager", "profile", "throughput_compiled", "micro_batch_4", "smoke", "cross_entropy_memory"
+    ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
+    assert steps[1].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
 
 
 def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_path):
-    """The one-call GPU plan, at the tiny shape: each step's real command runs and leaves its log
-    (the cross-entropy benchmark's rows checked here, one per mode)."""
+    """The one-call GPU plan, at the tiny shape: each step's real command runs and leaves its output
+    in the one session log (the cross-entropy benchmark's rows checked here, one per mode), the
+    profiler its table and trace."""
     session = [sys.executable, "benchmarks/gpu_session.py", "--cpu"]
+    session_tool = load_tool("benchmarks/gpu_session.py")
     result = subprocess.run(
         [*session, "--out", str(tmp_path / "dry")], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
-    steps = ["throughput_eager", "throughput_compiled", "cross_entropy_memory"]
+    steps = ["throughput_eager", "profile", "throughput_compiled", "micro_batch_4", "cross_entropy_memory"]
     assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
-    assert "torch.compile" in (tmp_path / "dry" / "throughput_compiled.log").read_text()
-    cross_entropy = (tmp_path / "dry" / "cross_entropy_memory.log").read_text()
+    outputs = session_tool.step_outputs(tmp_path / "dry" / "steps.log")
+    assert list(outputs) == steps
+    assert "torch.compile" in outputs["throughput_compiled"]
+    assert "micro-batch 4 x 2 accumulation" in outputs["micro_batch_4"]
+    table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()
+    assert re.match(r"per traced step: [\d.]+ ms wall\n", table) and "aten::mm" in table
+    assert (tmp_path / "dry" / "profile" / "ours.json.gz").stat().st_size > 0
+    cross_entropy = outputs["cross_entropy_memory"]
     for mode in ("unfused", "fused, eager", "fused, compiled"):
         assert re.search(rf"^{mode}\s+-?[\d,]+ MiB\s+-?[\d.]+\s+[\d.]+$", cross_entropy, re.MULTILINE), (
             cross_entropy
