@@ -59,6 +59,13 @@ def input_files(specs: list[str]) -> list[Path]:
                     "--input", f"{spec}: unknown file type", f"use one of {', '.join(SUFFIXES)}"
                 )
             files = [path]
+        elif path.exists():
+            # A pipe or a device: its suffix cannot say what it holds, nor can it be read twice.
+            raise ConfigError(
+                "--input",
+                f"{spec} is neither a file nor a directory (a pipe, socket or device)",
+                "write the corpus to a file first and name that file",
+            )
         else:
             raise ConfigError("--input", f"{spec} does not exist", "point it at a corpus file or directory")
         found.update(dict.fromkeys(files))

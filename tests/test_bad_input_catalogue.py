@@ -1544,6 +1544,14 @@ CASES = [
         "does not exist",
     ),
     Case(
+        "preprocess-input-a-device",
+        "preprocess",
+        _args(
+            "--input", "/dev/null", "--output-prefix", "WS/cases/p/out", "--tokenizer", "WS/corpus/spm.model"
+        ),
+        "/dev/null is neither a file nor a directory",
+    ),
+    Case(
         "preprocess-empty-input",
         "preprocess",
         _args(
