@@ -8,7 +8,8 @@ On the node: the checkout, and wheelhouse/ from ``tools/build_wheelhouse.sh --py
 first unless megatron-core already imports; the freeze is the lent GPU image's ``pip list``).
 A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
 this script runs the whole plan in one command. Each step is a real command line (the offline
-install, benchmarks/throughput.py eager, profiled, compiled and at micro-batch 4,
+install, benchmarks/throughput.py eager, profiled, without gradient accumulation fusion,
+compiled and at micro-batch 4,
 benchmarks/gpu_smoke.py, benchmarks/cross_entropy_memory.py); it gets at most its own cap and what
 is left of the budget, and a step that fails or runs out of time does not stop the next. Every
 step's output goes to ``OUT/steps.log`` under a header line of its own, the profiler's table and
@@ -80,6 +81,9 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
         # Where the local spec's step goes: the operators by GPU time and how busy the GPU is.
         profiled = ["--frameworks", "ours", *shape, "--steps", "2", "--warmup", "3", "--profile"]
         steps.append(Step("profile", 150, [py, "benchmarks/throughput.py", *profiled, str(out / "profile")]))
+        # The same without the weight-gradient GEMMs accumulating into main_grad (on by default).
+        unfused = ["--frameworks", "ours", "--set", "model.gradient_accumulation_fusion=false", *tiny]
+        steps.append(Step("wgrad_unfused", 150, [py, "benchmarks/throughput.py", *unfused]))
         # TE fuses its own kernels; the compiled rows of the local spec are the other sessions'.
         compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
         steps.append(Step("throughput_compiled", 300, [py, "benchmarks/throughput.py", *compiled, *tiny]))

@@ -143,6 +143,7 @@ def run_ours(args, m: dict, te: bool) -> None:
         "megatron-core GPTModel, "
         + ("Transformer Engine spec" if te else "local spec (SDPA)")
         + (", torch.compile" if cfg.model.compile else "")
+        + (", wgrad GEMMs accumulate into main_grad" if chunks[0].config.gradient_accumulation_fusion else "")
         + "".join(f", {x}" for x in args.set),
     )
     runtime.shutdown()

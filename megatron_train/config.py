@@ -166,6 +166,12 @@ class ModelConfig:
     """Fused cross-entropy on GPU: Transformer Engine's kernel with the TE spec, megatron-core's
     native fused one otherwise (5.6% faster on one H100 for a 1B model, 3.9 GiB higher peak: see
     README). The CPU always uses the plain one."""
+    gradient_accumulation_fusion: bool = True
+    """Each weight-gradient GEMM adds its product straight into the fp32 main gradient instead of
+    writing a gradient that is then added to it (megatron-core's gradient accumulation fusion,
+    Megatron-LM's default): through apex's kernel where apex is installed, else through torch's
+    ``addmm`` (on a GPU its form with bf16 inputs and fp32 output, when this torch has it). Off
+    under model.compile, which cannot trace it."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE."""
     compile: bool = False

@@ -15,6 +15,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveSt
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.tensor_parallel import layers as mcore_layers
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -317,3 +319,55 @@ def moe_aux_loss_over_split_sequences() -> None:
     instead. Idempotent.
     """
     TopKRouter.attach_and_log_load_balancing_loss = _attach_aux_loss_per_sequence
+
+
+def _accumulate_weight_gradient(
+    total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
+) -> None:
+    """``main_grad += grad_output^T @ total_input``, the product summed in main_grad's precision."""
+    if total_input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+    elif main_grad.is_cuda:
+        # One cuBLAS call: bf16 operands, fp32 accumulation, added onto the fp32 gradient in place.
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(grad_output.t() @ total_input)
+
+
+def _accumulates_correctly() -> bool:
+    """Whether this torch has the bf16 x bf16 -> fp32 in-place form on this GPU, and it adds up."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, dy = (torch.randn(256, n, device="cuda", generator=gen).bfloat16() for n in (64, 96))
+    grad = torch.randn(96, 64, device="cuda", generator=gen)
+    expected = grad + dy.float().t() @ x.float()
+    try:
+        _accumulate_weight_gradient(x, dy, grad)
+    except (RuntimeError, TypeError):
+        return False
+    return torch.allclose(grad, expected, rtol=1e-4, atol=1e-4)
+
+
+def weight_gradient_accumulation_in_torch() -> bool:
+    """Let megatron's own linears accumulate weight gradients straight into ``main_grad`` without
+    apex; returns whether they now can (``gradient_accumulation_fusion`` may be set).
+
+    0.16.1: ``tensor_parallel.layers`` binds apex's ``fused_weight_gradient_mlp_cuda`` (its
+    ``wgrad_gemm_accum_fp32`` / ``_fp16``: ``main_grad += grad_output^T @ input`` in one GEMM) as a
+    module global when apex imports, and refuses ``gradient_accumulation_fusion`` otherwise. These
+    are the same two functions made of ``torch.addmm``; on a GPU its ``out_dtype`` form accumulates
+    bf16 products into the fp32 gradient, which a small product checks once (a torch without that
+    form, or one that adds wrongly, leaves the fusion off). Without the fusion, each micro-batch
+    writes a bf16 weight gradient that megatron's gradient hook then adds to ``main_grad``: one
+    more pass over every gradient. With apex on a GPU nothing changes. Idempotent.
+    """
+    bound = getattr(mcore_layers, "fused_weight_gradient_mlp_cuda", None)
+    if isinstance(bound, SimpleNamespace) or (bound is not None and torch.cuda.is_available()):
+        return True
+    # apex's kernels are CUDA's only: a CPU process uses these even where apex is installed.
+    if torch.cuda.is_available() and not _accumulates_correctly():
+        return False
+    mcore_layers.fused_weight_gradient_mlp_cuda = SimpleNamespace(
+        wgrad_gemm_accum_fp32=_accumulate_weight_gradient, wgrad_gemm_accum_fp16=_accumulate_weight_gradient
+    )
+    mcore_layers._grad_accum_fusion_available = True
+    return True

@@ -3,24 +3,24 @@ fusions and activation recomputation, from the experiment config."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 
 from megatron_train.config import ExperimentConfig, ModelConfig
+from megatron_train.megatron_compat import weight_gradient_accumulation_in_torch
 
 
-def grad_accumulation_fusion_available() -> bool:
-    """Whether the weight-gradient GEMM that accumulates straight into fp32 ``main_grad`` exists.
+def grad_accumulation_fusion(m: ModelConfig) -> bool:
+    """Whether weight-gradient GEMMs accumulate straight into ``main_grad``.
 
-    megatron-core's own linears (every spec's output layer among them) need apex's
-    ``fused_weight_gradient_mlp_cuda`` for it, and the option is one switch for all layers, so
-    Transformer Engine alone is not enough (Megatron-LM turns it off in that case too).
+    ``model.gradient_accumulation_fusion`` is one switch for every linear: megatron-core's own
+    (every spec's output layer among them) need apex's ``fused_weight_gradient_mlp_cuda`` or its
+    torch stand-in; Transformer Engine's fuse it themselves. Compiled layers go without it:
+    megatron's linear keeps ``main_grad`` on its autograd context, which torch.compile cannot trace
+    (each layer would break into many graphs).
     """
-    return (
-        torch.cuda.is_available() and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
-    )
+    return m.gradient_accumulation_fusion and not m.compile and weight_gradient_accumulation_in_torch()
 
 
 def recompute_options(m: ModelConfig) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def shared_options(cfg: ExperimentConfig, params_dtype: torch.dtype, use_transfo
         bias_dropout_fusion=on_gpu,
         apply_rope_fusion=use_transformer_engine,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=grad_accumulation_fusion_available(),
+        gradient_accumulation_fusion=grad_accumulation_fusion(m),
         persist_layer_norm=False,
         cross_entropy_loss_fusion=m.cross_entropy_fusion and on_gpu,
         cross_entropy_fusion_impl="te" if use_transformer_engine else "native",

@@ -225,3 +225,70 @@ def test_a_cpu_run_steps_with_torch_ops_where_transformer_engine_imports():
     assert "multi_tensor_applier(multi_tensor_scale_impl" in inspect.getsource(mcore_optimizer)
     result = run_tool("-c", TE_BOUND_SCRIPT, check=False)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+FUSED_WGRAD_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megatron.core.tensor_parallel import layers as mcore_layers
+
+    from megatron_train import megatron_compat, runtime
+    from megatron_train.model import build_model
+    from megatron_train.optim import build_optimizer
+    from megatron_train.resolve import build_config
+    from megatron_train.step import Stepper
+
+    calls = []
+
+    def gradients(fusion):
+        cfg = build_config({
+            "model": {"preset": "tiny", "num_layers": 2, "vocab_size": 256, "tie_embeddings": True,
+                      "gradient_accumulation_fusion": fusion},
+            "data": {"seq_length": 64},
+            "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 6},
+        })
+        rt = runtime.initialize(cfg, runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
+        if fusion:
+            assert megatron_compat.weight_gradient_accumulation_in_torch()
+            accumulate = mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
+            counted = lambda *args: calls.append(1) or accumulate(*args)
+            mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = counted
+        model = build_model(cfg, rt)
+        assert model[0].config.gradient_accumulation_fusion is fusion
+        optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
+        gen = torch.Generator().manual_seed(0)
+
+        def batches():
+            while True:
+                tokens = torch.randint(0, 256, (2, 65), generator=gen)
+                yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 64),
+                       "position_ids": torch.arange(64).expand(2, 64)}
+
+        Stepper(cfg, model, optimizer, scheduler, rt.device).train_step([batches()])
+        grads = torch.cat([b.grad_data.clone() for b in model[0].buffers])
+        runtime.shutdown()
+        return grads
+
+    plain = gradients(False)
+    assert not calls
+    fused = gradients(True)
+    # 3 micro-batches x (the output layer + 4 linears in each of the 2 layers).
+    assert len(calls) == 3 * (1 + 4 * 2), len(calls)
+    assert torch.count_nonzero(plain) > 0.99 * plain.numel()
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-7)
+    print("OK")
+    """
+)
+
+
+def test_weight_gradients_accumulate_into_main_grad_without_apex():
+    """``model.gradient_accumulation_fusion`` through megatron's own path with the torch stand-in
+    for apex's kernel: every linear's weight gradient (the tied output layer's too) goes through
+    it on each micro-batch, and the step's gradients equal those of the unfused path."""
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
+
+    backward = inspect.getsource(LinearWithGradAccumulationAndAsyncCommunication.backward)
+    assert "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(" in backward
+    assert "zero_out_wgrad" in backward, "megatron changed how shared weights' fused gradients add up"
+    result = run_tool("-c", FUSED_WGRAD_SCRIPT, check=False)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
