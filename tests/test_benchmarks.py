@@ -86,7 +86,7 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     assert names == [
-        "throughput_eager", "profile", "wgrad_unfused", "throughput_compiled", "micro_batch_4", "smoke",
+        "throughput_eager", "profile", "wgrad_unfused", "smoke", "throughput_compiled", "micro_batch_4",
         "cross_entropy_memory",
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
