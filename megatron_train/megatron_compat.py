@@ -331,20 +331,22 @@ def _accumulate_weight_gradient(
         # One cuBLAS call: bf16 operands, fp32 accumulation, added onto the fp32 gradient in place.
         torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
     else:
-        main_grad.add_(grad_output.t() @ total_input)
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
 
 
-def _accumulates_correctly() -> bool:
-    """Whether this torch has the bf16 x bf16 -> fp32 in-place form on this GPU, and it adds up."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x, dy = (torch.randn(256, n, device="cuda", generator=gen).bfloat16() for n in (64, 96))
-    grad = torch.randn(96, 64, device="cuda", generator=gen)
-    expected = grad + dy.float().t() @ x.float()
+def _accumulates_correctly(device: str = "cuda") -> bool:
+    """Whether bf16 products accumulate into an fp32 gradient here, and add up (on a GPU: whether
+    this torch has addmm's in-place bf16 x bf16 -> fp32 form)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, dy = (torch.randn(256, n, device=device, generator=gen).bfloat16() for n in (64, 96))
+    grad = torch.randn(96, 64, device=device, generator=gen)
+    # In float64: no TF32 setting (NVIDIA_TF32_OVERRIDE in NGC images) reaches the reference.
+    expected = grad.double() + dy.double().t() @ x.double()
     try:
         _accumulate_weight_gradient(x, dy, grad)
     except (RuntimeError, TypeError):
         return False
-    return torch.allclose(grad, expected, rtol=1e-4, atol=1e-4)
+    return torch.allclose(grad.double(), expected, rtol=1e-4, atol=1e-4)
 
 
 def weight_gradient_accumulation_in_torch() -> bool:

@@ -290,5 +290,7 @@ def test_weight_gradients_accumulate_into_main_grad_without_apex():
     backward = inspect.getsource(LinearWithGradAccumulationAndAsyncCommunication.backward)
     assert "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(" in backward
     assert "zero_out_wgrad" in backward, "megatron changed how shared weights' fused gradients add up"
+    # The start-up check a GPU runs on its out_dtype form, here on the CPU's bf16 fallback.
+    assert megatron_compat._accumulates_correctly("cpu")
     result = run_tool("-c", FUSED_WGRAD_SCRIPT, check=False)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
