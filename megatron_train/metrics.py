@@ -26,9 +26,9 @@ DATA_WAIT_SHOWN = 0.05
 that the loader keeps up, and the figure is in metrics.jsonl."""
 
 # Dense bf16 peak per GPU (TFLOP/s), for MFU; the first key found in torch.cuda.get_device_name()
-# wins, so the PCIe and NVL H100s come before the SXM one ("NVIDIA H100 80GB HBM3").
-_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "A100": 312.0,
-                "L40S": 362.0}  # fmt: skip
+# wins, so the PCIe and NVL cards come before the SXM ones ("NVIDIA H100 80GB HBM3", "NVIDIA H200").
+_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200 NVL": 835.0, "H200": 989.0,
+                "A100": 312.0, "L40S": 362.0}  # fmt: skip
 
 
 def flops_per_token(cfg: ExperimentConfig) -> float:

@@ -11,7 +11,7 @@ import wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_train.data import TimedBatches, slowest_wait
-from megatron_train.metrics import MetricsLogger, flops_per_token
+from megatron_train.metrics import MetricsLogger, flops_per_token, peak_tflops
 from megatron_train.resolve import build_config
 from tests.conftest import ROOT, torchrun_env, write_config
 
@@ -197,3 +197,15 @@ def test_every_rank_reports_the_slowest_ranks_data_wait_and_the_count_restarts(t
     torch.multiprocessing.spawn(_wait_on_rank, args=(str(tmp_path / "store"), waits), nprocs=2)
     assert 0.6 <= waits[0] == waits[1] < 1.5, list(waits)
     assert waits[2] == waits[3] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+     ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA B300", None)],
+)  # fmt: skip
+def test_mfu_peak_is_the_card_s_own_dense_bf16_rate(monkeypatch, name, peak):
+    """The PCIe and NVL cards run slower than the SXM ones whose names theirs contain."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: name)
+    assert peak_tflops() == peak
