@@ -27,6 +27,38 @@ def _map_checkout_families() -> None:
 
 _map_checkout_families()
 
+
+def _interrupt_while_starting_is_one_line() -> None:
+    """A Ctrl-C in a command's first seconds lands while Python imports torch and megatron-core,
+    before the command's own handler (``cli.entry_point``) is in place: one line instead of the
+    import's traceback. Only for this project's commands (``python -m megatron_train.*``, whose
+    package import sees ``-m`` as argv[0], and the checkout's scripts); a program that merely
+    imports this package keeps its own hook. A script that imports torch before this package
+    still shows the trace of a Ctrl-C during torch's own import. Python still ends the process by
+    SIGINT (130 in a shell)."""
+    main = sys.argv[0] if sys.argv else ""
+    checkout = Path(__file__).resolve().parent.parent
+    ours = main == "-m" or (main not in ("", "-c") and Path(main).resolve().parent.parent == checkout)
+    if not ours:
+        return
+    others = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            # A terminal's Ctrl-C reaches every rank of the job: the first one says it.
+            if os.environ.get("RANK", "0") == "0":
+                print(
+                    "error: interrupted while starting; nothing was written. Fix: run it again",
+                    file=sys.stderr,
+                )
+        else:
+            others(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+_interrupt_while_starting_is_one_line()
+
 # The node is asked whether it has a GPU through its NVIDIA driver rather than torch, which tools
 # that never need torch do not load.
 _NO_GPU = not os.path.exists("/proc/driver/nvidia/version")

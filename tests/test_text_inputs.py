@@ -198,6 +198,27 @@ def test_ctrl_c_while_writing_is_one_line_with_code_130_and_leaves_no_file(corpu
     assert not list(out.iterdir())
 
 
+def test_ctrl_c_while_a_command_imports_is_one_line():
+    """Before a command's own handler is in place, while Python still imports torch and
+    megatron-core: one line, not the import's trace, and Python's end by SIGINT (130 in a shell)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_train.train", "--config", "configs/demo.yaml"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    # torch's library is mapped as its import begins; megatron-core's import follows it.
+    maps, deadline = f"/proc/{proc.pid}/maps", time.monotonic() + 60
+    while "libtorch" not in open(maps).read():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGINT, stderr[-2000:]
+    assert stderr.splitlines() == [
+        "error: interrupted while starting; nothing was written. Fix: run it again"
+    ]
+
+
 def _tool(name: str):
     return load_tool(f"tools/{name}.py")
 
