@@ -325,12 +325,11 @@ def _accumulate_weight_gradient(
     total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor
 ) -> None:
     """``main_grad += grad_output^T @ total_input``, the product summed in main_grad's precision."""
-    if total_input.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), total_input)
-    elif main_grad.is_cuda:
+    if main_grad.is_cuda and total_input.dtype != main_grad.dtype:
         # One cuBLAS call: bf16 operands, fp32 accumulation, added onto the fp32 gradient in place.
         torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
     else:
+        # The same dtype throughout (``.to`` is then no copy), or the CPU's upcast operands.
         main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
 
 

@@ -209,11 +209,12 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     try:
         with profiler, GcPacing(cfg.train.gc_interval) as collector:
             for step in range(progress.iteration + 1, cfg.train.steps + 1):
+                logged = log.logs_at(step)
                 with profiler.step(step):
-                    result = stepper.train_step(train_iters, logged=log.logs_at(step))
+                    result = stepper.train_step(train_iters, logged=logged)
                 result.check_finite(step)
                 progress = progress.advanced(batch, batch * cfg.data.seq_length, result.skipped)
-                waited = data.slowest_wait(train_iters, rt.device) if log.logs_at(step) else 0.0
+                waited = data.slowest_wait(train_iters, rt.device) if logged else 0.0
                 log.after_step(step, progress.consumed_tokens, result.loss, result.lr, result.grad_norm,
                                progress.skipped_steps, result.moe, data_wait=waited)  # fmt: skip
                 evaluator.after_step(step)
