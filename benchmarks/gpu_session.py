@@ -77,13 +77,14 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
     steps.append(
         Step("throughput_eager", 300, [py, "benchmarks/throughput.py", "--frameworks", frameworks, *tiny])
     )
+    # The local spec without the weight-gradient GEMMs accumulating into main_grad (on by default):
+    # next to the row above, on the same card.
+    unfused = ["--frameworks", "ours", "--set", "model.gradient_accumulation_fusion=false", *tiny]
+    steps.append(Step("wgrad_unfused", 150, [py, "benchmarks/throughput.py", *unfused]))
     if not te:
         # Where the local spec's step goes: the operators by GPU time and how busy the GPU is.
         profiled = ["--frameworks", "ours", *shape, "--steps", "2", "--warmup", "3", "--profile"]
         steps.append(Step("profile", 150, [py, "benchmarks/throughput.py", *profiled, str(out / "profile")]))
-        # The same without the weight-gradient GEMMs accumulating into main_grad (on by default).
-        unfused = ["--frameworks", "ours", "--set", "model.gradient_accumulation_fusion=false", *tiny]
-        steps.append(Step("wgrad_unfused", 150, [py, "benchmarks/throughput.py", *unfused]))
     if not cpu:
         # The demo (its loop paces garbage collection and times data waits; its bf16 steps are the
         # first to train through the fused weight-gradient accumulation on a GPU) and profiling;

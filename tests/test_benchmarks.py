@@ -78,7 +78,9 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
-    assert names == ["install", "throughput_te", "throughput_eager", "smoke", "cross_entropy_memory"]
+    assert names == [
+        "install", "throughput_te", "throughput_eager", "wgrad_unfused", "smoke", "cross_entropy_memory"
+    ]  # fmt: skip
     assert steps[0].cap_s > 240
     assert frameworks(steps[1]) == "ours-te" and frameworks(steps[2]) == "ours"
 
@@ -86,11 +88,11 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     assert names == [
-        "throughput_eager", "profile", "wgrad_unfused", "smoke", "throughput_compiled", "micro_batch_4",
+        "throughput_eager", "wgrad_unfused", "profile", "smoke", "throughput_compiled", "micro_batch_4",
         "cross_entropy_memory",
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
-    assert steps[1].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
+    assert steps[2].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
 
 
 def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_path):
@@ -104,7 +106,7 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
-    steps = ["throughput_eager", "profile", "wgrad_unfused", "throughput_compiled", "micro_batch_4",
+    steps = ["throughput_eager", "wgrad_unfused", "profile", "throughput_compiled", "micro_batch_4",
              "cross_entropy_memory"]  # fmt: skip
     assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
     outputs = session_tool.step_outputs(tmp_path / "dry" / "steps.log")
