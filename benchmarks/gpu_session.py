@@ -19,9 +19,10 @@ device call brings back at most eight). ``--cpu`` runs the same steps at the tin
 machine, leaving out the GPU smoke test (it needs CUDA).
 
 A wheelhouse built ``--with-te cu13`` makes the plan Transformer Engine's: the install compiles
-TE's torch extension against the node's torch (capped at 480 s), then the TE row, then ours beside
-it. That wheelhouse is 204 MB (TE's core wheel alone 179 MB), more than one device call carries
-(64 MiB), so it travels as a tar in parts to a warm machine, one call each
+TE's torch extension against the node's torch (capped at 480 s; 129 s on the lent H200's 16
+cores), then the TE row, then ours beside it with and without the fusion. That wheelhouse is
+204 MB (TE's core wheel alone 179 MB), more than one device call carries (64 MiB), so it travels
+as a tar in parts to a warm machine, one call each
 (``tar -cf - -C wheelhouse . | split -b 52M - te.``): each call copies its part under /tmp, and
 the last one joins them into wheelhouse/ (``cat /tmp/te/te.* | tar -xf - -C wheelhouse``) and runs
 this script.
