@@ -8,9 +8,9 @@ On the node: the checkout, and wheelhouse/ from ``tools/build_wheelhouse.sh --py
 first unless megatron-core already imports; the freeze is the lent GPU image's ``pip list``).
 A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
 this script runs the whole plan in one command. Each step is a real command line (the offline
-install, benchmarks/throughput.py eager, profiled, without gradient accumulation fusion,
-compiled and at micro-batch 4,
-benchmarks/gpu_smoke.py, benchmarks/cross_entropy_memory.py); it gets at most its own cap and what
+install, benchmarks/throughput.py eager, without gradient accumulation fusion, with the rotary
+embedding compiled, profiled, compiled and at micro-batch 4, benchmarks/gpu_smoke.py,
+benchmarks/cross_entropy_memory.py); it gets at most its own cap and what
 is left of the budget, and a step that fails or runs out of time does not stop the next. Every
 step's output goes to ``OUT/steps.log`` under a header line of its own, the profiler's table and
 trace to ``OUT/profile/``, and a table of what ran, how long and how it ended to
@@ -20,9 +20,9 @@ machine, leaving out the GPU smoke test (it needs CUDA).
 
 A wheelhouse built ``--with-te cu13`` makes the plan Transformer Engine's: the install compiles
 TE's torch extension against the node's torch (capped at 480 s; 129 s on the lent H200's 16
-cores), then the TE row, then ours beside it with and without the fusion. That wheelhouse is
-204 MB (TE's core wheel alone 179 MB), more than one device call carries (64 MiB), so it travels
-as a tar in parts to a warm machine, one call each
+cores), then the TE row, then ours beside it: by default, without the fusion, and with the rotary
+embedding compiled. That wheelhouse is 204 MB (TE's core wheel alone 179 MB), more than one device
+call carries (64 MiB), so it travels as a tar in parts to a warm machine, one call each
 (``tar -cf - -C wheelhouse . | split -b 52M - te.``): each call copies its part under /tmp, and
 the last one joins them into wheelhouse/ (``cat /tmp/te/te.* | tar -xf - -C wheelhouse``) and runs
 this script.
@@ -82,6 +82,9 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
     # next to the row above, on the same card.
     unfused = ["--frameworks", "ours", "--set", "model.gradient_accumulation_fusion=false", *tiny]
     steps.append(Step("wgrad_unfused", 150, [py, "benchmarks/throughput.py", *unfused]))
+    # And with its rotary embedding compiled (model.rope_fusion, off by default).
+    rope = ["--frameworks", "ours", "--set", "model.rope_fusion=true", *tiny]
+    steps.append(Step("rope_compiled", 150, [py, "benchmarks/throughput.py", *rope]))
     if not te:
         # Where the local spec's step goes: the operators by GPU time and how busy the GPU is.
         profiled = ["--frameworks", "ours", *shape, "--steps", "2", "--warmup", "3", "--profile"]

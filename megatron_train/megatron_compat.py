@@ -11,6 +11,7 @@ this module does at its top.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_conf
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -372,3 +374,25 @@ def weight_gradient_accumulation_in_torch() -> bool:
     )
     mcore_layers._grad_accum_fusion_available = True
     return True
+
+
+_UNFUSED_ROPE = rope_utils._apply_rotary_pos_emb_bshd
+
+
+@functools.cache
+def _compiled_rope() -> Callable[..., torch.Tensor]:
+    # One compiled function for the process: each shape (queries, keys) compiles once.
+    return torch.compile(_UNFUSED_ROPE, dynamic=False)
+
+
+def compile_rotary_embedding(on: bool) -> None:
+    """Run the local spec's rotary embedding compiled (``on``) or as megatron-core wrote it.
+
+    0.16.1: megatron-core fuses RoPE only through Transformer Engine (``apply_rope_fusion``). Its
+    own ``rope_utils._apply_rotary_pos_emb_bshd``, which ``apply_rotary_pos_emb`` looks up at each
+    call, launches about ten small kernels for each of a layer's queries and keys: cos and sin of
+    the table and their casts, the rotation's chunk, negation and concatenation, the products, and
+    a final concatenation that copies the whole tensor. Compiled, that is one kernel forward and
+    one backward. Setting it back to megatron's function keeps one process's runs independent.
+    """
+    rope_utils._apply_rotary_pos_emb_bshd = _compiled_rope() if on else _UNFUSED_ROPE

@@ -11,6 +11,7 @@ from megatron_train.config import ExperimentConfig
 from megatron_train.errors import ConfigError
 from megatron_train.init import initialize_weights
 from megatron_train.megatron_compat import (
+    compile_rotary_embedding,
     compiled_layers_without_warnings,
     mark_tensor_parallel_weights,
     moe_aux_loss_over_split_sequences,
@@ -77,6 +78,7 @@ def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     if not te:
         check_attention_backend(cfg)
     recompute_without_transformer_engine()
+    compile_rotary_embedding(cfg.model.rope_fusion and not te and not cfg.model.compile)
     moe_router_without_transformer_engine()
     moe_split_sizes_on_cpu()
     moe_aux_loss_over_split_sequences()

@@ -79,7 +79,8 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     names = [step.name for step in steps]
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
     assert names == [
-        "install", "throughput_te", "throughput_eager", "wgrad_unfused", "smoke", "cross_entropy_memory"
+        "install", "throughput_te", "throughput_eager", "wgrad_unfused", "rope_compiled", "smoke",
+        "cross_entropy_memory",
     ]  # fmt: skip
     assert steps[0].cap_s > 240
     assert frameworks(steps[1]) == "ours-te" and frameworks(steps[2]) == "ours"
@@ -88,11 +89,11 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     assert names == [
-        "throughput_eager", "wgrad_unfused", "profile", "smoke", "throughput_compiled", "micro_batch_4",
-        "cross_entropy_memory",
+        "throughput_eager", "wgrad_unfused", "rope_compiled", "profile", "smoke", "throughput_compiled",
+        "micro_batch_4", "cross_entropy_memory",
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
-    assert steps[2].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
+    assert steps[3].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
 
 
 def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_path):
@@ -106,8 +107,8 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
-    steps = ["throughput_eager", "wgrad_unfused", "profile", "throughput_compiled", "micro_batch_4",
-             "cross_entropy_memory"]  # fmt: skip
+    steps = ["throughput_eager", "wgrad_unfused", "rope_compiled", "profile", "throughput_compiled",
+             "micro_batch_4", "cross_entropy_memory"]  # fmt: skip
     assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
     outputs = session_tool.step_outputs(tmp_path / "dry" / "steps.log")
     assert list(outputs) == steps
@@ -115,6 +116,7 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     assert "micro-batch 4 x 2 accumulation" in outputs["micro_batch_4"]
     assert "wgrad GEMMs accumulate into main_grad" in outputs["throughput_eager"]
     assert "main_grad" not in outputs["wgrad_unfused"].split("framework")[-1]
+    assert "model.rope_fusion=true" in outputs["rope_compiled"]
     table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()
     assert re.match(r"per traced step: [\d.]+ ms wall\n", table) and "aten::mm" in table
     assert (tmp_path / "dry" / "profile" / "ours.json.gz").stat().st_size > 0

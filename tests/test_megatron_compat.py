@@ -294,3 +294,66 @@ def test_weight_gradients_accumulate_into_main_grad_without_apex():
     assert megatron_compat._accumulates_correctly("cpu")
     result = run_tool("-c", FUSED_WGRAD_SCRIPT, check=False)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+COMPILED_ROPE_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+    from torch._dynamo.utils import counters
+
+    from megatron_train import megatron_compat, runtime
+    from megatron_train.model import build_model
+    from megatron_train.optim import build_optimizer
+    from megatron_train.resolve import build_config
+    from megatron_train.step import Stepper
+
+    def gradients(rope_fusion):
+        cfg = build_config({
+            "model": {"preset": "tiny", "num_layers": 2, "vocab_size": 256, "tie_embeddings": True,
+                      "rope_fusion": rope_fusion},
+            "data": {"seq_length": 64},
+            "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4},
+        })
+        rt = runtime.initialize(cfg, runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
+        model = build_model(cfg, rt)
+        optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
+        gen = torch.Generator().manual_seed(0)
+
+        def batches():
+            while True:
+                tokens = torch.randint(0, 256, (2, 65), generator=gen)
+                yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 64),
+                       "position_ids": torch.arange(64).expand(2, 64)}
+
+        Stepper(cfg, model, optimizer, scheduler, rt.device).train_step([batches()])
+        grads = torch.cat([b.grad_data.clone() for b in model[0].buffers])
+        runtime.shutdown()
+        return grads
+
+    plain = gradients(False)
+    assert rope_utils._apply_rotary_pos_emb_bshd is megatron_compat._UNFUSED_ROPE
+    assert not counters["stats"]["unique_graphs"], "something compiled without model.rope_fusion"
+    fused = gradients(True)
+    # Queries and keys (4 heads, 2 groups) are two shapes: two graphs, no break in either.
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.count_nonzero(plain) > 0.99 * plain.numel()
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-7)
+    print("OK")
+    """
+)
+
+
+def test_rotary_embedding_compiles_into_the_same_gradients():
+    """``model.rope_fusion`` on the local spec: megatron still applies RoPE through the module
+    global the entry replaces (its fused path is Transformer Engine's), the step compiles it once
+    for queries and once for keys, and the step's gradients equal the uncompiled path's."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    dispatch = inspect.getsource(rope_utils.apply_rotary_pos_emb)
+    assert "return _apply_rotary_pos_emb_bshd(" in dispatch
+    assert "fused_apply_rotary_pos_emb(t, freqs" in dispatch
+    assert "transformer_engine" in inspect.getsource(rope_utils).split("fused_apply_rotary_pos_emb")[0]
+    result = run_tool("-c", COMPILED_ROPE_SCRIPT, check=False)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
