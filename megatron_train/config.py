@@ -173,11 +173,11 @@ class ModelConfig:
     ``addmm`` (on a GPU its form with bf16 inputs and fp32 output, when this torch has it). Off
     under model.compile, which cannot trace it."""
     rope_fusion: bool = False
-    """The local spec's rotary embedding as one compiled kernel forward and one backward for each
-    of a layer's queries and keys: megatron-core's own RoPE function through torch.compile (it
-    otherwise runs about ten small kernels each, two of them copies; megatron-core fuses RoPE only
-    in Transformer Engine's spec, which always does). Compiles at the first step (C++ on a CPU).
-    Already part of the compiled layers under model.compile."""
+    """The local spec's rotary embedding compiled: megatron-core's own RoPE function through
+    torch.compile, whose fused kernels replace the about ten small ones it runs for each of a
+    layer's queries and keys, two of them copies (megatron-core fuses RoPE only in Transformer
+    Engine's spec, which always does). Compiles at the first step (C++ on a CPU). Already part of
+    the compiled layers under model.compile."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE."""
     compile: bool = False

@@ -392,7 +392,7 @@ def compile_rotary_embedding(on: bool) -> None:
     own ``rope_utils._apply_rotary_pos_emb_bshd``, which ``apply_rotary_pos_emb`` looks up at each
     call, launches about ten small kernels for each of a layer's queries and keys: cos and sin of
     the table and their casts, the rotation's chunk, negation and concatenation, the products, and
-    a final concatenation that copies the whole tensor. Compiled, that is one kernel forward and
-    one backward. Setting it back to megatron's function keeps one process's runs independent.
+    a final concatenation that copies the whole tensor. Compiled, Inductor fuses them (forward and
+    backward). Setting it back to megatron's function keeps one process's runs independent.
     """
     rope_utils._apply_rotary_pos_emb_bshd = _compiled_rope() if on else _UNFUSED_ROPE
