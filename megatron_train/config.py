@@ -286,7 +286,8 @@ class DataConfig:
     reset_position_ids: bool = False
     """With ``document_mask``: RoPE positions restart at 0 in each document."""
     num_workers: NonNegativeInt = 2
-    """DataLoader worker processes per rank (0 reads in the training process)."""
+    """DataLoader worker processes per rank (0 reads in the training process); at most the CPU
+    cores the rank may run on, which training checks at its start."""
     build_threads: PositiveInt = 1
     """Threads building the blend's dataset indices (megatron's ``num_dataset_builder_threads``);
     a blend of many datasets on a parallel filesystem builds faster with 4-8."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,6 +15,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_train import megatron_compat
 from megatron_train.config import ExperimentConfig, split_blends
+from megatron_train.errors import ConfigError
 from megatron_train.inputs import requested_samples
 from megatron_train.tokenizer import load_tokenizer
 
@@ -120,6 +122,20 @@ class PretrainingSampler:
 
     def __len__(self) -> int:
         return (self.total - self.consumed) // (self.micro_batch_size * self.dp_size)
+
+
+def check_loader_workers(cfg: ExperimentConfig) -> None:
+    """Refuse more loader worker processes than the CPU cores this rank may run on (its affinity,
+    which Slurm's --cpus-per-task narrows): more only compete for those cores, and each is a fork
+    of the rank holding its own pages (a thousand of them filled the dev machine's 24 GiB and the
+    kernel killed the run). PyTorch's DataLoader suggests the same bound, and only warns."""
+    workers, cores = cfg.data.num_workers, len(os.sched_getaffinity(0))
+    if workers > cores:
+        raise ConfigError(
+            "data.num_workers",
+            f"is {workers:,}, more loader processes than the {cores} CPU cores this rank may run on",
+            f"set data.num_workers to at most {cores} (0 reads in the rank's own process)",
+        )
 
 
 def batch_loader(

@@ -136,6 +136,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     from megatron_train.profiling import StepProfiler
     from megatron_train.step import Stepper
 
+    _main_rank_decides(rt, lambda: data.check_loader_workers(cfg))
     _hold_run_folders(cfg, rt, log, create=False)
     resume_from = checkpointer.resolve()
     start_from = None if resume_from else warm_start.locate(cfg, rt.is_main, log.info)

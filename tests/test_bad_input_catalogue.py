@@ -404,6 +404,7 @@ CASES = [
         "to true or false, or 'auto'",
     ),
     Case("odd-head-dimension", "train", _train("model.kv_channels=7", FRESH), "channels in pairs"),
+    Case("loader-workers-beyond-cores", "train", _train("data.num_workers=1000000", FRESH), "CPU cores"),
     Case(
         "cuda-only-attention-kernel",
         "train",
