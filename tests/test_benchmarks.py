@@ -79,8 +79,8 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     names = [step.name for step in steps]
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
     assert names == [
-        "install", "throughput_te", "throughput_eager", "wgrad_unfused", "rope_compiled", "smoke",
-        "cross_entropy_memory",
+        "install", "throughput_te", "throughput_eager", "rope_compiled", "all_options", "te_all_options",
+        "wgrad_unfused", "smoke", "cross_entropy_memory",
     ]  # fmt: skip
     assert steps[0].cap_s > 240
     assert frameworks(steps[1]) == "ours-te" and frameworks(steps[2]) == "ours"
@@ -89,10 +89,11 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     assert names == [
-        "throughput_eager", "wgrad_unfused", "rope_compiled", "profile", "smoke", "throughput_compiled",
-        "micro_batch_4", "cross_entropy_memory",
+        "throughput_eager", "rope_compiled", "all_options", "profile", "throughput_compiled", "wgrad_unfused",
+        "smoke", "cross_entropy_memory",
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
+    assert "model.attention_backend=cudnn" in steps[2].argv and steps[2].argv.count("--set") == 3
     assert steps[3].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
 
 
@@ -107,13 +108,14 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
-    steps = ["throughput_eager", "wgrad_unfused", "rope_compiled", "profile", "throughput_compiled",
-             "micro_batch_4", "cross_entropy_memory"]  # fmt: skip
+    steps = ["throughput_eager", "rope_compiled", "all_options", "profile", "throughput_compiled",
+             "wgrad_unfused", "cross_entropy_memory"]  # fmt: skip
     assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
     outputs = session_tool.step_outputs(tmp_path / "dry" / "steps.log")
     assert list(outputs) == steps
     assert "torch.compile" in outputs["throughput_compiled"]
-    assert "micro-batch 4 x 2 accumulation" in outputs["micro_batch_4"]
+    assert "micro-batch 4 x 2 accumulation" in outputs["all_options"]
+    assert "model.rope_fusion=true, model.cross_entropy_fusion=true" in outputs["all_options"]
     assert "wgrad GEMMs accumulate into main_grad" in outputs["throughput_eager"]
     assert "main_grad" not in outputs["wgrad_unfused"].split("framework")[-1]
     assert "model.rope_fusion=true" in outputs["rope_compiled"]
