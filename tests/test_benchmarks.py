@@ -28,6 +28,8 @@ def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework(tmp_path
     for name in ("ours", "hf"):
         assert re.match(rf"{name}\s+[\d,]+\s+[\d.]+", rows[name]), result.stdout
     assert "did not run" in rows["torchtitan"], result.stdout
+    [ratio] = re.findall(r"^tokens/s: ours / hf ([\d.]+)x$", result.stdout, re.MULTILINE)
+    assert float(ratio) > 0
     # Both frameworks build the same model: the same parameters, tied embeddings counted once.
     params = {
         name: json.loads(line.split(" ", 1)[1])["params"]
