@@ -175,12 +175,18 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     p = cfg.parallel
     experts = f" EP={p.expert} ETP={p.expert_tensor or p.tensor}" if cfg.model.num_experts else ""
     context = f" CP={p.context}" if p.context > 1 else ""
+    te, layers = layer_implementation(cfg)
+    m = cfg.model
+    compiled = ", layers compiled" if m.compile else ", RoPE compiled" if m.rope_fusion and not te else ""
+    # Asked for (the default) but unavailable: a GPU without apex whose torch lacks addmm's
+    # bf16 -> fp32 form.
+    if m.gradient_accumulation_fusion and not m.compile and not model[0].config.gradient_accumulation_fusion:
+        compiled += ", no gradient accumulation fusion (needs apex, or a torch whose addmm adds bf16 to fp32)"
     log.info(
         f"layout TP={p.tensor} PP={p.pipeline} VPP={p.virtual_pipeline or 1}{context} DP={dp}{experts} "
         f"on {rt.world_size} {rt.device.type} "
         f"ranks | {stepper.num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
-        f"{layer_implementation(cfg)[1]}{', layers compiled' if cfg.model.compile else ''}, "
-        f"{str(rt.dtype).removeprefix('torch.')}"
+        f"{layers}{compiled}, {str(rt.dtype).removeprefix('torch.')}"
     )
 
     started = time.perf_counter()

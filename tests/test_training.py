@@ -124,6 +124,20 @@ def test_layout_matches_single_rank(tmp_path, corpus, small_lr_baseline, tp, pp,
         assert abs(g - e) <= 1e-4 * e, f"step {step}: grad norm {g} vs single-rank {e}"
 
 
+def test_compiled_rotary_embedding_matches_single_rank(tmp_path, corpus, small_lr_baseline, monkeypatch):
+    """model.rope_fusion at TP2 (each rank rotates half the heads) against the eager single-rank run."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer=SMALL_LR)
+    result = torchrun(2, config, "model.rope_fusion=true", "parallel.tensor=2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "RoPE compiled" in result.stdout
+    assert list((tmp_path / "inductor").rglob("*.py")), "nothing was compiled"
+    expected, got = train_losses(small_lr_baseline), train_losses(tmp_path / "run")
+    assert len(got) == len(expected) >= 5
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs eager single-rank {e}"
+
+
 def test_compiled_layers_match_single_rank_and_resume_bitwise(
     tmp_path, corpus, small_lr_baseline, monkeypatch
 ):
