@@ -81,8 +81,10 @@ def at_layout(saved: dict, tensor: int, pipeline: int, expert: int = 1) -> Exper
         cfg.parallel, tensor=tensor, pipeline=pipeline, virtual_pipeline=None, context=1,
         sequence_parallel=tensor > 1 and expert > 1, expert=expert, expert_tensor=None,
     )  # fmt: skip
-    # Its training ran on other ranks; inference profiles no training steps.
-    cfg = dataclasses.replace(cfg, parallel=parallel, profile=ProfileConfig())
+    # Its training ran on other ranks; inference profiles no training steps, and leaves RoPE
+    # uncompiled: without a KV cache each new token is a new sequence length, a new compile.
+    model = dataclasses.replace(cfg.model, rope_fusion=False)
+    cfg = dataclasses.replace(cfg, model=model, parallel=parallel, profile=ProfileConfig())
     validate_options(cfg, tensor * pipeline * expert)
     return cfg
 

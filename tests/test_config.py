@@ -238,3 +238,11 @@ def test_a_range_error_writes_integer_bounds_whole(good_config):
     with pytest.raises(ConfigError) as err:
         load_config(good_config, ["train.seed=-1"])
     assert err.value.fix == "set train.seed to a value >= 0 and <= 4294967295"
+
+
+def test_inference_leaves_rope_uncompiled_whatever_training_did(good_config):
+    """Generation has no KV cache: every token is a new sequence length, which a compiled RoPE
+    would recompile for until torch gives up with a warning (seen with tools/generate.py)."""
+    saved = to_dict(load_config(good_config, ["model.rope_fusion=true"]))
+    assert saved["model"]["rope_fusion"] is True
+    assert at_layout(saved, tensor=1, pipeline=1).model.rope_fusion is False
