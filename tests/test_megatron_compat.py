@@ -227,10 +227,9 @@ def test_a_cpu_run_steps_with_torch_ops_where_transformer_engine_imports():
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
-FUSED_WGRAD_SCRIPT = textwrap.dedent(
+STEP_GRADIENTS = textwrap.dedent(
     """
     import torch
-    from megatron.core.tensor_parallel import layers as mcore_layers
 
     from megatron_train import megatron_compat, runtime
     from megatron_train.model import build_model
@@ -238,23 +237,18 @@ FUSED_WGRAD_SCRIPT = textwrap.dedent(
     from megatron_train.resolve import build_config
     from megatron_train.step import Stepper
 
-    calls = []
-
-    def gradients(fusion):
+    def step_gradients(micro_batches, before_build=lambda: None, **model_options):
+        # One training step of a 2-layer tied model on random tokens: its gradients and its
+        # megatron TransformerConfig.
         cfg = build_config({
             "model": {"preset": "tiny", "num_layers": 2, "vocab_size": 256, "tie_embeddings": True,
-                      "gradient_accumulation_fusion": fusion},
+                      **model_options},
             "data": {"seq_length": 64},
-            "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 6},
+            "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 2 * micro_batches},
         })
         rt = runtime.initialize(cfg, runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
-        if fusion:
-            assert megatron_compat.weight_gradient_accumulation_in_torch()
-            accumulate = mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
-            counted = lambda *args: calls.append(1) or accumulate(*args)
-            mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = counted
+        before_build()
         model = build_model(cfg, rt)
-        assert model[0].config.gradient_accumulation_fusion is fusion
         optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
         gen = torch.Generator().manual_seed(0)
 
@@ -267,14 +261,29 @@ FUSED_WGRAD_SCRIPT = textwrap.dedent(
         Stepper(cfg, model, optimizer, scheduler, rt.device).train_step([batches()])
         grads = torch.cat([b.grad_data.clone() for b in model[0].buffers])
         runtime.shutdown()
-        return grads
+        assert torch.count_nonzero(grads) > 0.99 * grads.numel()
+        return grads, model[0].config
+    """
+)
 
-    plain = gradients(False)
-    assert not calls
-    fused = gradients(True)
+FUSED_WGRAD_SCRIPT = STEP_GRADIENTS + textwrap.dedent(
+    """
+    from megatron.core.tensor_parallel import layers as mcore_layers
+
+    calls = []
+
+    def count_calls():
+        assert megatron_compat.weight_gradient_accumulation_in_torch()
+        accumulate = mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
+        counted = lambda *args: calls.append(1) or accumulate(*args)
+        mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = counted
+
+    plain, config = step_gradients(3, gradient_accumulation_fusion=False)
+    assert not config.gradient_accumulation_fusion and not calls
+    fused, config = step_gradients(3, count_calls, gradient_accumulation_fusion=True)
+    assert config.gradient_accumulation_fusion
     # 3 micro-batches x (the output layer + 4 linears in each of the 2 layers).
     assert len(calls) == 3 * (1 + 4 * 2), len(calls)
-    assert torch.count_nonzero(plain) > 0.99 * plain.numel()
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-7)
     print("OK")
     """
@@ -296,49 +305,18 @@ def test_weight_gradients_accumulate_into_main_grad_without_apex():
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
-COMPILED_ROPE_SCRIPT = textwrap.dedent(
+COMPILED_ROPE_SCRIPT = STEP_GRADIENTS + textwrap.dedent(
     """
-    import torch
     from megatron.core.models.common.embeddings import rope_utils
     from torch._dynamo.utils import counters
 
-    from megatron_train import megatron_compat, runtime
-    from megatron_train.model import build_model
-    from megatron_train.optim import build_optimizer
-    from megatron_train.resolve import build_config
-    from megatron_train.step import Stepper
-
-    def gradients(rope_fusion):
-        cfg = build_config({
-            "model": {"preset": "tiny", "num_layers": 2, "vocab_size": 256, "tie_embeddings": True,
-                      "rope_fusion": rope_fusion},
-            "data": {"seq_length": 64},
-            "train": {"steps": 4, "micro_batch_size": 2, "global_batch_size": 4},
-        })
-        rt = runtime.initialize(cfg, runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
-        model = build_model(cfg, rt)
-        optimizer, scheduler = build_optimizer(cfg, model, rt.dtype)
-        gen = torch.Generator().manual_seed(0)
-
-        def batches():
-            while True:
-                tokens = torch.randint(0, 256, (2, 65), generator=gen)
-                yield {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 64),
-                       "position_ids": torch.arange(64).expand(2, 64)}
-
-        Stepper(cfg, model, optimizer, scheduler, rt.device).train_step([batches()])
-        grads = torch.cat([b.grad_data.clone() for b in model[0].buffers])
-        runtime.shutdown()
-        return grads
-
-    plain = gradients(False)
+    plain, _ = step_gradients(2, rope_fusion=False)
     assert rope_utils._apply_rotary_pos_emb_bshd is megatron_compat._UNFUSED_ROPE
     assert not counters["stats"]["unique_graphs"], "something compiled without model.rope_fusion"
-    fused = gradients(True)
+    fused, _ = step_gradients(2, rope_fusion=True)
     # Queries and keys (4 heads, 2 groups) are two shapes: two graphs, no break in either.
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert torch.count_nonzero(plain) > 0.99 * plain.numel()
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-7)
     print("OK")
     """

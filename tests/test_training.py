@@ -105,6 +105,14 @@ LAYOUTS = [
 ]
 
 
+def assert_losses_match(baseline: Path, run: Path, what: str) -> None:
+    """Every step's training loss of ``run`` within 1e-5 (relative) of ``baseline``'s."""
+    expected, got = train_losses(baseline), train_losses(run)
+    assert len(got) == len(expected) >= 5
+    for step, (e, g) in enumerate(zip(expected, got), start=1):
+        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs {what} {e}"
+
+
 @pytest.mark.parametrize(
     ("tp", "pp", "dp", "extra"),
     LAYOUTS,
@@ -114,10 +122,7 @@ def test_layout_matches_single_rank(tmp_path, corpus, small_lr_baseline, tp, pp,
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer=SMALL_LR)
     result = torchrun(tp * pp * dp, config, f"parallel.tensor={tp}", f"parallel.pipeline={pp}", *extra)
     assert result.returncode == 0, result.stderr[-4000:]
-    expected, got = train_losses(small_lr_baseline), train_losses(tmp_path / "run")
-    assert len(got) == len(expected) >= 5
-    for step, (e, g) in enumerate(zip(expected, got), start=1):
-        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs single-rank {e}"
+    assert_losses_match(small_lr_baseline, tmp_path / "run", "single-rank")
     # The gradient norm drives clipping, so it must not depend on the layout either.
     expected_norms, norms = grad_norms(small_lr_baseline), grad_norms(tmp_path / "run")
     for step, (e, g) in enumerate(zip(expected_norms, norms), start=1):
@@ -132,10 +137,7 @@ def test_compiled_rotary_embedding_matches_single_rank(tmp_path, corpus, small_l
     assert result.returncode == 0, result.stderr[-4000:]
     assert "RoPE compiled" in result.stdout
     assert list((tmp_path / "inductor").rglob("*.py")), "nothing was compiled"
-    expected, got = train_losses(small_lr_baseline), train_losses(tmp_path / "run")
-    assert len(got) == len(expected) >= 5
-    for step, (e, g) in enumerate(zip(expected, got), start=1):
-        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs eager single-rank {e}"
+    assert_losses_match(small_lr_baseline, tmp_path / "run", "eager single-rank")
 
 
 def test_compiled_layers_match_single_rank_and_resume_bitwise(
@@ -158,10 +160,7 @@ def test_compiled_layers_match_single_rank_and_resume_bitwise(
     assert not result.stderr.strip(), result.stderr[-4000:]
     assert "layers compiled" in result.stdout
     assert list((tmp_path / "inductor").rglob("*.py")), "nothing was compiled"
-    expected, got = train_losses(small_lr_baseline), train_losses(tmp_path / "run")
-    assert len(got) == len(expected) >= 5
-    for step, (e, g) in enumerate(zip(expected, got), start=1):
-        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs eager single-rank {e}"
+    assert_losses_match(small_lr_baseline, tmp_path / "run", "eager single-rank")
 
     resumed = tmp_path / "resumed"
     shutil.copytree(
@@ -200,10 +199,7 @@ def test_a_profile_on_rank_one_records_its_steps_and_leaves_the_training_as_it_w
     assert any(e["name"] == "[memory]" for e in events)
     assert any("Input Dims" in e.get("args", {}) for e in events if e["name"] == "aten::mm")
     assert "aten::mm" in (folder / "rank1.txt").read_text()
-    expected, got = train_losses(small_lr_baseline), train_losses(run)
-    assert len(got) == len(expected) >= 5
-    for step, (e, g) in enumerate(zip(expected, got), start=1):
-        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs unprofiled single-rank {e}"
+    assert_losses_match(small_lr_baseline, run, "unprofiled single-rank")
 
 
 def test_a_resumed_run_profiles_the_rest_of_its_window_and_a_stop_inside_one_drops_it(
@@ -268,10 +264,7 @@ def test_interleaved_pipeline_matches_single_rank(tmp_path, corpus):
         result = torchrun(nproc, config, "model.num_layers=8", "train.micro_batch_size=1", *overrides)
         assert result.returncode == 0, result.stderr[-4000:]
         runs[name] = tmp_path / name
-    expected, got = train_losses(runs["single"]), train_losses(runs["vpp"])
-    assert len(got) == len(expected) >= 5
-    for step, (e, g) in enumerate(zip(expected, got), start=1):
-        assert abs(g - e) <= 1e-5 * abs(e), f"step {step}: {g} vs single-rank {e}"
+    assert_losses_match(runs["single"], runs["vpp"], "single-rank")
     for step, (e, g) in enumerate(zip(grad_norms(runs["single"]), grad_norms(runs["vpp"])), start=1):
         assert abs(g - e) <= 1e-4 * e, f"step {step}: grad norm {g} vs single-rank {e}"
 
