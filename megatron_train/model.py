@@ -67,6 +67,12 @@ def check_attention_backend(cfg: ExperimentConfig) -> None:
         )
 
 
+def compiles_rope(cfg: ExperimentConfig, te: bool) -> bool:
+    """Whether ``model.rope_fusion`` compiles RoPE on its own: on the local layers (TE's fuse it)
+    that are not compiled whole (``model.compile``)."""
+    return cfg.model.rope_fusion and not te and not cfg.model.compile
+
+
 def use_transformer_engine(cfg: ExperimentConfig) -> bool:
     """Resolve ``model.transformer_impl`` against what this machine has."""
     return layer_implementation(cfg)[0]
@@ -78,7 +84,7 @@ def build_chunks(cfg: ExperimentConfig, rt: Runtime) -> list[torch.nn.Module]:
     if not te:
         check_attention_backend(cfg)
     recompute_without_transformer_engine()
-    compile_rotary_embedding(cfg.model.rope_fusion and not te and not cfg.model.compile)
+    compile_rotary_embedding(compiles_rope(cfg, te))
     moe_router_without_transformer_engine()
     moe_split_sizes_on_cpu()
     moe_aux_loss_over_split_sequences()

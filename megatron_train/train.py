@@ -131,7 +131,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     from megatron_train.checkpoint.state import Progress, check_within_steps
     from megatron_train.evaluation import Evaluator
     from megatron_train.gc_pacing import GcPacing
-    from megatron_train.model import build_model, layer_implementation
+    from megatron_train.model import build_model, compiles_rope, layer_implementation
     from megatron_train.optim import build_optimizer
     from megatron_train.profiling import StepProfiler
     from megatron_train.step import Stepper
@@ -176,17 +176,20 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     experts = f" EP={p.expert} ETP={p.expert_tensor or p.tensor}" if cfg.model.num_experts else ""
     context = f" CP={p.context}" if p.context > 1 else ""
     te, layers = layer_implementation(cfg)
-    m = cfg.model
-    compiled = ", layers compiled" if m.compile else ", RoPE compiled" if m.rope_fusion and not te else ""
+    if cfg.model.compile:
+        layers += ", layers compiled"
+    elif compiles_rope(cfg, te):
+        layers += ", RoPE compiled"
     # Asked for (the default) but unavailable: a GPU without apex whose torch lacks addmm's
     # bf16 -> fp32 form.
-    if m.gradient_accumulation_fusion and not m.compile and not model[0].config.gradient_accumulation_fusion:
-        compiled += ", no gradient accumulation fusion (needs apex, or a torch whose addmm adds bf16 to fp32)"
+    unfused = not model[0].config.gradient_accumulation_fusion
+    if cfg.model.gradient_accumulation_fusion and not cfg.model.compile and unfused:
+        layers += ", no gradient accumulation fusion (needs apex, or a torch whose addmm adds bf16 to fp32)"
     log.info(
         f"layout TP={p.tensor} PP={p.pipeline} VPP={p.virtual_pipeline or 1}{context} DP={dp}{experts} "
         f"on {rt.world_size} {rt.device.type} "
         f"ranks | {stepper.num_microbatches} microbatches/step | rank 0 holds {params:,} parameters | "
-        f"{layers}{compiled}, {str(rt.dtype).removeprefix('torch.')}"
+        f"{layers}, {str(rt.dtype).removeprefix('torch.')}"
     )
 
     started = time.perf_counter()
