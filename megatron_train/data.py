@@ -14,7 +14,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_train import megatron_compat
-from megatron_train.config import ExperimentConfig, split_blends
+from megatron_train.config import DataConfig, ExperimentConfig, split_blends
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import requested_samples
 from megatron_train.tokenizer import load_tokenizer
@@ -128,13 +128,16 @@ def check_loader_workers(cfg: ExperimentConfig) -> None:
     """Refuse more loader worker processes than the CPU cores this rank may run on (its affinity,
     which Slurm's --cpus-per-task narrows): more only compete for those cores, and each is a fork
     of the rank holding its own pages (a thousand of them filled the dev machine's 24 GiB and the
-    kernel killed the run). PyTorch's DataLoader suggests the same bound, and only warns."""
+    kernel killed the run). PyTorch's DataLoader suggests the same bound, and only warns. The
+    default's two workers pass on a one-core machine, where they always ran."""
     workers, cores = cfg.data.num_workers, len(os.sched_getaffinity(0))
-    if workers > cores:
+    most = max(cores, DataConfig.num_workers)
+    if workers > most:
         raise ConfigError(
             "data.num_workers",
-            f"is {workers:,}, more loader processes than the {cores} CPU cores this rank may run on",
-            f"set data.num_workers to at most {cores} (0 reads in the rank's own process)",
+            f"is {workers:,}, more loader processes than the {cores} CPU core{'s' * (cores != 1)} this "
+            "rank may run on",
+            f"set data.num_workers to at most {most} (0 reads in the rank's own process)",
         )
 
 
