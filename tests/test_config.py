@@ -246,3 +246,29 @@ def test_inference_leaves_rope_uncompiled_whatever_training_did(good_config):
     saved = to_dict(load_config(good_config, ["model.rope_fusion=true"]))
     assert saved["model"]["rope_fusion"] is True
     assert at_layout(saved, tensor=1, pipeline=1).model.rope_fusion is False
+
+
+LOADER_WORKERS_ON_ONE_CORE = """
+import os, sys
+from megatron_train.config import ConfigError
+from megatron_train.data import check_loader_workers
+from megatron_train.resolve import load_config
+
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+check_loader_workers(load_config(sys.argv[1], []))  # the default's two workers
+try:
+    check_loader_workers(load_config(sys.argv[1], ["data.num_workers=3"]))
+except ConfigError as err:
+    print(err.key, "|", err.fix)
+"""
+
+
+def test_loader_workers_beyond_the_cores_a_rank_may_run_on(good_config):
+    """A process pinned to one core (as Slurm's --cpus-per-task=1 pins a rank): the default's two
+    workers still pass, as they always ran there; three are refused, naming the bound."""
+    result = run_tool("-c", LOADER_WORKERS_ON_ONE_CORE, str(good_config), check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        result.stdout.strip()
+        == "data.num_workers | set data.num_workers to at most 2 (0 reads in the rank's own process)"
+    )
