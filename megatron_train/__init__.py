@@ -9,6 +9,11 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
+# Before anything imports megatron-core, which imports Transformer Engine where it is installed.
+from megatron_train.cudnn_sharing import share_torch_cudnn  # noqa: E402
+
+share_torch_cudnn()
+
 
 def _map_checkout_families() -> None:
     """The model families are the checkout's top-level models/ folder, installed as
