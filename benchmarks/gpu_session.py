@@ -20,8 +20,9 @@ on this machine, leaving out the GPU smoke test (it needs CUDA).
 
 A wheelhouse built ``--with-te cu13`` makes the plan Transformer Engine's: the install compiles
 TE's torch extension against the node's torch (capped at 480 s; 129 s on the lent H200's 16
-cores), then the TE row, ours beside it (as above, without the profile and the compiled rows), and
-the TE spec with fused cross-entropy and four micro-batches. That wheelhouse is 204 MB (TE's core
+cores), then benchmarks/cudnn_libraries.py (one cuDNN beside TE), the TE row, ours and
+transformers' beside it (as above, without the profile and the compiled rows), and the TE spec
+with fused cross-entropy and four micro-batches. That wheelhouse is 204 MB (TE's core
 wheel alone 179 MB), more than one device call carries (64 MiB), so it travels as a tar in parts
 to a warm machine, one call each (``tar -cf - -C wheelhouse . | split -b 52M - te.``): each call
 copies its part under /tmp, and the last one joins them into wheelhouse/ (``cat /tmp/te/te.* |
@@ -72,8 +73,12 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
     ):
         steps.append(Step("install", 480 if te else 240, ["env", f"PYTHON={py}", "bash", str(install)]))
     if te:
+        # One cuDNN in a process that imports TE and uses torch's cuDNN (transformers' row failed
+        # there on the H200 before megatron_train/cudnn_sharing.py): which libraries each case maps.
+        steps.append(Step("cudnn_libraries", 90, [py, "benchmarks/cudnn_libraries.py"]))
         steps.append(Step("throughput_te", 240, [*bench, "--frameworks", "ours-te", *tiny]))
-    frameworks = "ours" if cpu or te else "ours,hf,torchtitan"
+    # Beside TE, transformers' row checks that TE's cuDNN is torch's; torchtitan's is measured.
+    frameworks = "ours" if cpu else "ours,hf" if te else "ours,hf,torchtitan"
     steps.append(Step("throughput_eager", 300, [*bench, "--frameworks", frameworks, *tiny]))
     # The local spec with its rotary embedding compiled (model.rope_fusion, off by default).
     rope = ["--frameworks", "ours", "--set", "model.rope_fusion=true", *tiny]

@@ -37,6 +37,8 @@ TINY = dict(num_layers=2, hidden_size=128, ffn_hidden_size=384, num_attention_he
             num_query_groups=2, vocab_size=1024, rotary_base=500000, seq=128)  # fmt: skip
 FRAMEWORKS = ("ours", "ours-te", "torchtitan", "hf")
 RESULT = "RESULT "
+FAILED_LINES = 15
+"""How much of a failed framework's output is printed: a traceback's last frames and its error."""
 
 
 def experiment(m: dict, args, te: bool = False):
@@ -492,8 +494,11 @@ def main() -> int:
         if proc.returncode == 0 and found:
             results[name] = json.loads(found[-1][len(RESULT) :])
         else:
-            tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-            results[name] = f"did not run: {tail[:200]}"
+            tail = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
+            results[name] = f"did not run: {tail[-1][:200]}"
+            # The row keeps one line; where it failed (the traceback's end) goes to the log above it.
+            if len(tail) > 1:
+                print(f"{name}: its last lines:", *(f"  {line}" for line in tail[-FAILED_LINES:]), sep="\n")
         print(f"{name}: {results[name] if isinstance(results[name], str) else 'done'}", flush=True)
     peak = None
     if args.device == "cuda":

@@ -81,11 +81,11 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     names = [step.name for step in steps]
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
     assert names == [
-        "install", "throughput_te", "throughput_eager", "rope_compiled", "all_options", "te_all_options",
-        "wgrad_unfused", "smoke", "cross_entropy_memory",
+        "install", "cudnn_libraries", "throughput_te", "throughput_eager", "rope_compiled", "all_options",
+        "te_all_options", "wgrad_unfused", "smoke", "cross_entropy_memory",
     ]  # fmt: skip
     assert steps[0].cap_s > 240
-    assert frameworks(steps[1]) == "ours-te" and frameworks(steps[2]) == "ours"
+    assert frameworks(steps[2]) == "ours-te" and frameworks(steps[3]) == "ours,hf"
 
     sdist.unlink()
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
@@ -97,6 +97,18 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
     assert "model.attention_backend=cudnn" in steps[2].argv and steps[2].argv.count("--set") == 3
     assert steps[3].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
+
+
+def test_cudnn_probe_runs_both_cases_where_there_is_no_cudnn():
+    """benchmarks/cudnn_libraries.py on a CPU machine: each case's process runs and says what it
+    found (no TE, no cuDNN mapped); on a GPU node the same lines name the cuDNN folders."""
+    result = subprocess.run([sys.executable, "benchmarks/cudnn_libraries.py"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    for case in ("shared", "unshared"):
+        assert re.search(
+            rf"^{case}: CUDNN_PATH=None, .*cuDNN loaded from 0 folder\(s\)$", result.stdout, re.M
+        ), result.stdout
 
 
 def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_path):
