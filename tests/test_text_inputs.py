@@ -198,11 +198,21 @@ def test_ctrl_c_while_writing_is_one_line_with_code_130_and_leaves_no_file(corpu
     assert not list(out.iterdir())
 
 
-def test_ctrl_c_while_a_command_imports_is_one_line():
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "megatron_train.train", "--config", "configs/demo.yaml"],
+        # The tools that import torch themselves import the package before it.
+        ["tools/generate.py", "--ckpt", "runs/none", "--prompt", "x"],
+        ["tools/convert_checkpoint.py", "export-hf", "--ckpt", "runs/none", "--out", "hf/none"],
+    ],
+    ids=["train", "generate", "convert"],
+)
+def test_ctrl_c_while_a_command_imports_is_one_line(command):
     """Before a command's own handler is in place, while Python still imports torch and
     megatron-core: one line, not the import's trace, and Python's end by SIGINT (130 in a shell)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_train.train", "--config", "configs/demo.yaml"],
+        [sys.executable, *command],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip

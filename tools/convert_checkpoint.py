@@ -15,6 +15,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line.
+import megatron_train  # noqa: F401
+
+# isort: split
 import torch
 
 from megatron_train import cli
