@@ -24,6 +24,7 @@ from megatron_train.errors import ConfigError, ConversionError
 from megatron_train.hf.model_dir import is_hf_model_dir, read_hf_config
 from megatron_train.inputs import check_inputs
 from megatron_train.models import registry
+from megatron_train.models.hf_config import HF_FIELDS
 
 
 def resolve(path: str | Path, overrides: Sequence[str], world_size: int) -> ExperimentConfig:
@@ -63,10 +64,34 @@ def build_config(raw: dict, overrides: Sequence[str] = ()) -> ExperimentConfig:
     return cfg
 
 
+def hf_model_options(hf: dict) -> dict:
+    """Our ``model.*`` options for a Hugging Face config.json, checked as a model of their own on
+    one rank: a value no model of ours takes (a size of 0, heads that do not divide into its
+    key-value heads) is a ConversionError naming config.json's field, not a ``model.*`` key the
+    user never wrote."""
+    options = registry.for_hf(hf).hf_model_options(hf)
+    model = ModelConfig(**options)
+    cfg = ExperimentConfig(model=model)
+    cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
+    try:
+        validate_options(cfg, 1)
+    except ConfigError as err:
+        if not err.key.startswith("model."):
+            raise
+        name = err.key.removeprefix("model.")
+        # The range a field takes ("a value >= 1") or the check's own advice.
+        needs = err.fix.removeprefix(f"set {err.key} to ")
+        raise ConversionError(
+            f"config.json {HF_FIELDS.get(name, name)}: {err.problem} (megatron-train's {err.key}: {needs}); "
+            "it describes no model this framework can build. Fix: correct config.json, or download the "
+            "model again"
+        ) from None
+    return options
+
+
 def imported_config(hf: dict, tensor: int, pipeline: int, vocab_pad_multiple: int) -> ExperimentConfig:
     """Our config for a Hugging Face config.json at a TP / PP layout (ConfigError if impossible)."""
-    options = registry.for_hf(hf).hf_model_options(hf)
-    model = ModelConfig(**options, vocab_pad_multiple=vocab_pad_multiple)
+    model = ModelConfig(**hf_model_options(hf), vocab_pad_multiple=vocab_pad_multiple)
     cfg = ExperimentConfig(model=model, parallel=ParallelConfig(tensor=tensor, pipeline=pipeline))
     cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
     validate_options(cfg, tensor * pipeline)
@@ -113,8 +138,7 @@ def _apply_hf_architecture(raw: dict) -> None:
     if not isinstance(init_from, str) or not is_hf_model_dir(Path(init_from)):
         return
     try:
-        hf = read_hf_config(Path(init_from))
-        options = registry.for_hf(hf).hf_model_options(hf)
+        options = hf_model_options(read_hf_config(Path(init_from)))
     except ConversionError as err:
         raise ConfigError(
             "checkpoint.init_from", str(err), "start from a model of a supported family"

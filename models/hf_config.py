@@ -16,6 +16,15 @@ LLAMA3_ROPE_FIXED = {
     "original_max_position_embeddings": 8192,
 }
 
+# Our model.* options read from a config.json field of another name (the rest keep theirs).
+HF_FIELDS = {
+    "num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
+    "num_query_groups": "num_key_value_heads", "kv_channels": "head_dim", "norm_eps": "rms_norm_eps",
+    "rotary_base": "rope_theta", "rope_scaling_factor": "rope_scaling.factor",
+    "tie_embeddings": "tie_word_embeddings", "num_experts": "num_local_experts",
+    "moe_ffn_hidden_size": "moe_intermediate_size", "moe_router_topk": "num_experts_per_tok",
+}  # fmt: skip
+
 _REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
              "max_position_embeddings", "vocab_size")  # fmt: skip
 
@@ -61,7 +70,9 @@ def integer(hf: dict, key: str, default: int | None = None) -> int:
     """An integer field (ConversionError when absent without a default, or not an integer)."""
     value = hf.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ConversionError(f"config.json lacks integer field {key!r} (found {value!r})")
+        raise ConversionError(
+            f"config.json lacks integer field {key!r} (found {value!r}); download the model again"
+        )
     return value
 
 
@@ -69,7 +80,10 @@ def common_options(hf: dict, family: str) -> dict:
     """Our ``model.*`` options for the fields every supported architecture shares."""
     missing = [key for key in _REQUIRED if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool)]
     if missing:
-        raise ConversionError(f"config.json lacks integer field(s) {missing}; it is not a complete config")
+        raise ConversionError(
+            f"config.json lacks integer field(s) {missing}: it is not a complete config; download the "
+            "model again"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", hf["hidden_act"], "only SwiGLU (silu) MLPs are supported")
     if flag(hf, "mlp_bias"):

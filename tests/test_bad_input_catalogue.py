@@ -1228,6 +1228,14 @@ CASES = [
             _edit_hf_config(lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}))
         ),
     ),
+    # a value no model takes names config.json's field, not the model.* key it would become
+    Case(
+        "import-hf-zero-ffn-size",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-zero-ffn-size/hf", "--out", "WS/cases/o"),
+        "config.json intermediate_size: 0 is out of range",
+        _hf_copy(_edit_hf_config(lambda c: c.update(intermediate_size=0))),
+    ),
     # a string "false" is true to Python: the import tied embeddings the checkpoint has apart
     Case(
         "import-hf-tie-as-a-string",

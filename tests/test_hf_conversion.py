@@ -332,3 +332,34 @@ def test_moe_options_transformers_cannot_express_are_refused_on_export(family, o
     m = ModelConfig(family=family, num_experts=4, qk_norm=family == "qwen3", vocab_size=300, **option)
     with pytest.raises(ConversionError, match=needle):
         registry.family_of(m).hf_config(m, torch.float32, {})
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "value", "says"),
+    [
+        ("llama", "num_hidden_layers", 0, "num_hidden_layers: 0 is out of range (megatron-train's "
+         "model.num_layers: a value >= 1)"),
+        ("llama", "rms_norm_eps", -1e-5, "rms_norm_eps: -1e-05 is out of range (megatron-train's "
+         "model.norm_eps: a value > 0)"),
+        ("llama2", "num_key_value_heads", 3, "num_key_value_heads: 4 heads are not divisible into 3 "
+         "query groups"),
+        ("qwen3", "head_dim", -32, "head_dim: -32 is out of range (megatron-train's model.kv_channels"),
+        ("qwen3_moe", "num_experts_per_tok", 0, "num_experts_per_tok: 0 is out of range "
+         "(megatron-train's model.moe_router_topk"),
+    ],
+)  # fmt: skip
+def test_config_json_values_no_model_takes_name_the_config_json_field(family, field, value, says):
+    """A config.json our model cannot be built from is its fault, in its own words: the refusal
+    names its field (not a model.* key the user never wrote) and says to correct or fetch it again,
+    for an import and for a run starting from it (checkpoint.init_from) alike."""
+    from megatron_train import resolve
+    from megatron_train.errors import ConversionError
+
+    # config.json as save_pretrained writes it: the config and the model class's name.
+    model_class = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).__class__.__name__
+    good = {**FAMILIES[family]().to_dict(), "architectures": [model_class]}
+    assert resolve.hf_model_options(good)["num_layers"] == 2
+    with pytest.raises(ConversionError) as refused:
+        resolve.hf_model_options({**good, field: value})
+    assert str(refused.value).startswith(f"config.json {says}"), refused.value
+    assert str(refused.value).endswith("Fix: correct config.json, or download the model again")
