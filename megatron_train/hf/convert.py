@@ -76,7 +76,8 @@ def _check_dtype(hf: dict, weights: HFWeights) -> torch.dtype:
     names = {v: k for k, v in DTYPES.items()}
     if len(found) != 1 or next(iter(found)) not in names:
         raise ConversionError(
-            f"the weights have dtype(s) {sorted(found)}; expected one of {sorted(names)} throughout"
+            f"the weights have dtype(s) {sorted(found)}; expected one of {sorted(names)} throughout: save "
+            "the model again in one of them"
         )
     dtype = names[next(iter(found))]
     declared = hf_dtype(hf)
@@ -98,7 +99,8 @@ def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
     if tokens > vocab_size:
         raise ConversionError(
             f"the tokenizer in {hf_dir} has {tokens} tokens but config.json's vocab_size is {vocab_size}; "
-            "the weights and tokenizer belong to different models"
+            "the weights and tokenizer belong to different models; put the model's own tokenizer files "
+            "beside it"
         )
     return True
 

@@ -26,9 +26,11 @@ def read_hf_config(hf_dir: Path) -> dict:
     try:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ConversionError(f"{path} is not valid JSON ({err})") from err
+        raise ConversionError(f"{path} is not valid JSON ({err}); download the model again") from err
     if not isinstance(hf, dict):
-        raise ConversionError(f"{path} is not a JSON object; it is not a transformers config")
+        raise ConversionError(
+            f"{path} is not a JSON object, so not a transformers config; download the model again"
+        )
     return hf
 
 

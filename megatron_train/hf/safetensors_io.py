@@ -35,9 +35,13 @@ def _read_index(path: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConversionError(f"{path} is not a safetensors index with a weight_map ({err})") from err
+        raise ConversionError(
+            f"{path} is not a safetensors index with a weight_map ({err}); download the model again"
+        ) from err
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise ConversionError(f"{path}: weight_map is not a mapping of tensor names to shard files")
+        raise ConversionError(
+            f"{path}: weight_map is not a mapping of tensor names to shard files; download the model again"
+        )
     return weight_map
 
 
@@ -60,7 +64,9 @@ class HFWeights:
                 weight_map = {name: shards[0].name for name in f.keys()}
         missing = sorted({s for s in weight_map.values() if not (self.dir / s).is_file()})
         if missing:
-            raise ConversionError(f"{self.dir} lacks shard file(s) {', '.join(missing)} named in {INDEX}")
+            raise ConversionError(
+                f"{self.dir} lacks shard file(s) {', '.join(missing)} named in {INDEX}; download them again"
+            )
         self.weight_map: dict[str, str] = weight_map
         self._open: dict[str, object] = {}
 
@@ -73,7 +79,10 @@ class HFWeights:
 
     def _file_with(self, name: str):
         if name not in self.weight_map:
-            raise ConversionError(f"tensor {name!r} is missing from {self.dir} (incomplete download?)")
+            raise ConversionError(
+                f"tensor {name!r} is missing from {self.dir} (an incomplete download?); download the "
+                "model again"
+            )
         return self._file(self.weight_map[name])
 
     def get(self, name: str) -> torch.Tensor:
@@ -86,7 +95,9 @@ class HFWeights:
             stored = tuple(self._file_with(name).get_slice(name).get_shape())
             if stored != tuple(shape):
                 raise ConversionError(
-                    f"tensor {name!r} in {self.dir} has shape {stored} but config.json implies {tuple(shape)}"
+                    f"tensor {name!r} in {self.dir} has shape {stored} but config.json implies "
+                    f"{tuple(shape)}: the weights and config.json belong to different models; download "
+                    "the model again"
                 )
 
     def dtypes(self) -> set[str]:
