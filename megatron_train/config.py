@@ -885,7 +885,8 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
         raise ConfigError(
             "model.num_layers",
             f"{m.num_layers} layers are not divisible by pipeline x virtual_pipeline = {p.pipeline} x {vpp}",
-            "use a layer count that is a multiple of pipeline x virtual_pipeline",
+            "choose a parallel.pipeline (x virtual_pipeline) that divides the layer count, or a layer "
+            "count that is a multiple of it",
         )
     _validate_recompute(m, m.num_layers // (p.pipeline * vpp))
     if cfg.ddp.overlap_param_gather and not cfg.optimizer.distributed:
