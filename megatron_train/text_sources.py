@@ -72,16 +72,31 @@ def input_files(specs: list[str]) -> list[Path]:
     return list(found)
 
 
+_JSON_NAMES = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
+
+
 def _field(record: object, key: str, where: str) -> object:
     """``record[key]``, where a dotted key (``meta.body``) walks into nested objects unless the
     record has the dotted name itself."""
-    if isinstance(record, dict) and key in record:
+    if not isinstance(record, dict):
+        raise ConfigError(
+            "--input",
+            f"{where} is a JSON {_JSON_NAMES.get(type(record), 'value')}, not an object with a {key!r} field",
+            'make each line an object such as {"text": "..."}, or remove that line',
+        )
+    if key in record:
         return record[key]
     value = record
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
-            keys = sorted(record) if isinstance(record, dict) else []
-            raise ConfigError("--text-key", f"{where} has no field {key!r}", f"use one of {keys}")
+            raise ConfigError("--text-key", f"{where} has no field {key!r}", f"use one of {sorted(record)}")
         value = value[part]
     return value
 

@@ -75,6 +75,12 @@ def test_a_byte_order_mark_is_no_part_of_the_first_document(tmp_path):
         (b'{"text": "ok"}\nnot json\n', "text", "bad.jsonl:2 is not JSON"),
         (b'{"text": "ok"}\n{"body": "x"}\n', "text", "bad.jsonl:2 has no field 'text'"),
         (b'{"text": ["a"]}\n', "text", "holds list, not a string"),
+        (
+            b'{"text": "ok"}\n["a"]\n',
+            "text",
+            "bad.jsonl:2 is a JSON array, not an object with a 'text' field",
+        ),
+        (b'"just text"\n', "body", "bad.jsonl:1 is a JSON string, not an object with a 'body' field"),
     ],
 )
 def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, content, key, problem):
