@@ -268,7 +268,7 @@ def checked_tokenizer(
     """The tokenizer at ``path``, loaded as ``kind``; anything that is not one is a ConfigError at
     ``key`` (whose fix may name ``type_key``, the option giving the type)."""
     if path is None:
-        raise ConfigError(key, "no tokenizer given", "set the tokenizer path")
+        raise ConfigError(key, "no tokenizer given", f"set {key} to the tokenizer's path")
     with tokenizer_loading(kind, path, key, type_key=type_key):
         tokenizer = load_tokenizer(kind, path)
         tokenizer.vocab_size  # noqa: B018 - some loaders fail only here
