@@ -34,6 +34,16 @@ def resolve(path: str | Path, overrides: Sequence[str], world_size: int) -> Expe
     if cfg.model.vocab_size is None:
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
     if cfg.model.vocab_size < vocab:
+        init_from = cfg.checkpoint.init_from
+        if init_from is not None and is_hf_model_dir(Path(init_from)):
+            # The vocabulary is that model's (its config.json): the tokenizer is the one to change.
+            raise ConfigError(
+                "data.tokenizer.path",
+                f"names a tokenizer of {vocab} tokens, more than the {cfg.model.vocab_size} of the "
+                f"Hugging Face model in checkpoint.init_from",
+                f"train with that model's own tokenizer: data.tokenizer.type=huggingface "
+                f"data.tokenizer.path={init_from}",
+            )
         raise ConfigError(
             "model.vocab_size",
             f"{cfg.model.vocab_size} is smaller than the tokenizer's {vocab} tokens",
@@ -83,8 +93,8 @@ def hf_model_options(hf: dict) -> dict:
         needs = err.fix.removeprefix(f"set {err.key} to ")
         raise ConversionError(
             f"config.json {HF_FIELDS.get(name, name)}: {err.problem} (megatron-train's {err.key}: {needs}); "
-            "it describes no model this framework can build. Fix: correct config.json, or download the "
-            "model again"
+            "it describes no model this framework can build: correct config.json, or download the model "
+            "again"
         ) from None
     return options
 

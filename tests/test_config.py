@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_train.config import ConfigError, to_dict
-from megatron_train.resolve import at_layout, load_config, validate
+from megatron_train.resolve import at_layout, load_config, resolve, validate
 from megatron_train.train import main
 from tests.conftest import ROOT, run_tool, write_config
 
@@ -212,6 +212,17 @@ def test_init_from_an_hf_model_sets_the_architecture_and_refuses_conflicts(good_
         with pytest.raises(ConfigError) as info:
             validate(load_config(good_config, overrides), world_size=1)
         assert info.value.key == "checkpoint.init_from"
+    # A model whose vocabulary the run's tokenizer outgrows: its config.json fixes the vocabulary,
+    # so the fix is that model's tokenizer, not removing a model.vocab_size nobody wrote.
+    small = tmp_path / "small"
+    config.vocab_size = 64
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(small)
+    with pytest.raises(ConfigError) as info:
+        resolve(good_config, [f"checkpoint.init_from={small}", "model.preset=null"], world_size=1)
+    assert info.value.key == "data.tokenizer.path" and "more than the 64 of the Hugging Face model" in str(
+        info.value
+    )
+    assert f"data.tokenizer.type=huggingface data.tokenizer.path={small}" in info.value.fix
 
 
 def test_transformer_engine_demanded_where_it_cannot_run_is_one_line(good_config):

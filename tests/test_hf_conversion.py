@@ -348,12 +348,12 @@ def test_moe_options_transformers_cannot_express_are_refused_on_export(family, o
          "(megatron-train's model.moe_router_topk"),
     ],
 )  # fmt: skip
-def test_config_json_values_no_model_takes_name_the_config_json_field(family, field, value, says):
+def test_config_json_values_no_model_takes_name_the_config_json_field(tmp_path, family, field, value, says):
     """A config.json our model cannot be built from is its fault, in its own words: the refusal
     names its field (not a model.* key the user never wrote) and says to correct or fetch it again,
     for an import and for a run starting from it (checkpoint.init_from) alike."""
     from megatron_train import resolve
-    from megatron_train.errors import ConversionError
+    from megatron_train.errors import ConfigError, ConversionError
 
     # config.json as save_pretrained writes it: the config and the model class's name.
     model_class = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).__class__.__name__
@@ -362,4 +362,13 @@ def test_config_json_values_no_model_takes_name_the_config_json_field(family, fi
     with pytest.raises(ConversionError) as refused:
         resolve.hf_model_options({**good, field: value})
     assert str(refused.value).startswith(f"config.json {says}"), refused.value
-    assert str(refused.value).endswith("Fix: correct config.json, or download the model again")
+    assert str(refused.value).endswith(
+        "; it describes no model this framework can build: correct config.json, or download the model again"
+    )
+    # A run starting from such a directory: the same words, under checkpoint.init_from, one fix.
+    (tmp_path / "config.json").write_text(json.dumps({**good, field: value}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as run:
+        resolve.build_config({"checkpoint": {"init_from": str(tmp_path)}})
+    assert run.value.key == "checkpoint.init_from" and f"config.json {says}" in str(run.value)
+    assert str(run.value).count("Fix:") == 1, run.value
