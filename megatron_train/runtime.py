@@ -44,12 +44,13 @@ def launch_env() -> LaunchEnv:
         return LaunchEnv(0, 1, 0)
     defaults = (None, None, "0", "1")
     values = []
-    for name, default in zip(names, defaults, strict=True):
+    # Sizes count at least one rank; str.isdigit alone would pass a "²" int() cannot read.
+    for name, default, least in zip(names, defaults, (0, 1, 0, 1), strict=True):
         text = env.get(name, default)
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit() and int(text) >= least):
             raise ConfigError(
                 name,
-                f"the launcher set {name}={text!r}, not a count",
+                f"the launcher set {name}={text!r}, not a count" + (" of ranks" if least else ""),
                 "start the ranks with torchrun or srun",
             )
         values.append(int(text))

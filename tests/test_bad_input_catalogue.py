@@ -738,6 +738,15 @@ CASES = [
     ),  # fmt: skip
     Case("launch-rank-outside-world", "train", _train(FRESH), "outside a world of 1", env={"RANK": "3"}),
     Case("launch-world-not-a-count", "train", _train(FRESH), "'WORLD_SIZE'", env={"WORLD_SIZE": "x"}),
+    # a world of no ranks was "rank 0 is outside a world of 0 ranks"; a superscript two a traceback
+    Case(
+        "launch-world-of-none",
+        "train",
+        _train(FRESH),
+        "WORLD_SIZE='0', not a count of ranks",
+        env={"WORLD_SIZE": "0"},
+    ),  # fmt: skip
+    Case("launch-rank-a-superscript", "train", _train(FRESH), "RANK='²', not a count", env={"RANK": "²"}),
     # torch's rendezvous met these with a traceback (a port) or retried for minutes (an address)
     Case(
         "launch-ranks-without-a-meeting-point",
