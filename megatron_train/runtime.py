@@ -71,7 +71,7 @@ def check_rendezvous(env: dict[str, str]) -> None:
     a traceback deep in torch, and an address that does not resolve retries until torch's
     rendezvous gives up minutes later."""
     port = env.get("MASTER_PORT")
-    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+    if port is not None and not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(
             "MASTER_PORT",
             f"the launcher set MASTER_PORT={port!r}, not a port",
