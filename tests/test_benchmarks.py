@@ -1,6 +1,7 @@
 """The benchmarks' CPU dry runs: every path each can run here, end to end."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -38,6 +39,27 @@ def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework(tmp_path
         if line.startswith("RESULT ")
     }
     assert params["ours"] == params["hf"] > 0, params
+
+
+def test_throughput_benchmark_prints_where_a_framework_failed(tmp_path):
+    """A framework whose process fails keeps one line in the table, and its traceback's end goes
+    to the output above it (on the H200 only the last line of a cuDNN error had come back)."""
+    broken = tmp_path / "transformers"
+    broken.mkdir()
+    (broken / "__init__.py").write_text('raise ImportError("transformers broken on purpose")\n')
+    result = subprocess.run(
+        [sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--tiny", "--steps", "1",
+         "--warmup", "1", "--frameworks", "hf"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    tail = result.stdout.split("hf: its last lines:\n", 1)[1].split("\nhf: did not run")[0].splitlines()
+    assert 1 < len(tail) <= 15 and tail[0].startswith("  ") and "run_hf" in "\n".join(tail), tail
+    assert tail[-1] == "  ImportError: transformers broken on purpose"
+    assert re.search(
+        r"^hf\s+-.*did not run: ImportError: transformers broken on purpose$", result.stdout, re.M
+    )
 
 
 def test_preprocess_benchmark_prints_our_row(corpus):
