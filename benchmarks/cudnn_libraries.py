@@ -1,14 +1,16 @@
-"""Which cuDNN one process ends up holding once Transformer Engine is imported and torch has used
-cuDNN, with and without megatron_train pointing TE at torch's copy (megatron_train/cudnn_sharing.py).
+"""Which cuDNN one process ends up holding once torch has used cuDNN and Transformer Engine is
+imported, with and without megatron_train pointing TE at torch's copy (megatron_train/cudnn_sharing.py).
 
     python benchmarks/cudnn_libraries.py          # on a GPU node with TE installed
 
 Each case is a fresh process. ``shared`` imports megatron_train first, as every command of ours
-does; ``unshared`` imports torch and TE directly, as a script that never imports us would. Each
-then runs cuDNN through torch (a convolution, and SDPA's cuDNN attention in bf16, forward and
-backward) and prints the folders of the cuDNN libraries mapped into it (/proc/self/maps). Exit 0
-when the shared case used cuDNN from one folder without an error; a CPU machine prints what it can
-(no cuDNN is loaded there) and exits 0.
+does; ``unshared`` imports torch directly, as a script that never imports us would. Each runs
+cuDNN through torch (a convolution, and SDPA's cuDNN attention in bf16, forward and backward),
+then imports TE, as the transformers benchmark row did when it failed on the H200 (megatron-core,
+and with it TE, came in only for its FLOPs after the timed loop), then runs the same again, and
+prints the folders of the cuDNN libraries mapped into it (/proc/self/maps). Exit 0 when the shared
+case used cuDNN from one folder without an error; a CPU machine prints what it can (no cuDNN is
+loaded there) and exits 0.
 """
 
 from __future__ import annotations
@@ -32,19 +34,18 @@ def probe(shared: bool) -> dict:
     import torch
 
     report["CUDNN_PATH"] = os.environ.get("CUDNN_PATH")
+    gpu = torch.cuda.is_available()
+    if gpu:
+        report["torch_cudnn"] = torch.backends.cudnn.version()
+        _use_cudnn(torch, "before TE", report)
     try:
         import transformer_engine.pytorch  # noqa: F401
 
         report["transformer_engine"] = "imported"
     except Exception as error:  # what TE's import raised is the finding
         report["transformer_engine"] = f"{type(error).__name__}: {error}"
-    if torch.cuda.is_available():
-        report["torch_cudnn"] = torch.backends.cudnn.version()
-        for name, use in (("convolution", _convolution), ("cudnn attention", _cudnn_attention)):
-            try:
-                use(torch)
-            except Exception:
-                report["errors"].append(f"{name}: {traceback.format_exc(limit=-3).strip()}")
+    if gpu:
+        _use_cudnn(torch, "after TE", report)
     with open("/proc/self/maps") as maps:
         files = {line.split()[-1] for line in maps if "libcudnn" in line}
     report["cudnn_folders"] = {
@@ -52,6 +53,14 @@ def probe(shared: bool) -> dict:
         for f in files
     }
     return report
+
+
+def _use_cudnn(torch, when: str, report: dict) -> None:
+    for name, use in (("convolution", _convolution), ("cudnn attention", _cudnn_attention)):
+        try:
+            use(torch)
+        except Exception:
+            report["errors"].append(f"{name} {when}: {traceback.format_exc(limit=-3).strip()}")
 
 
 def _convolution(torch) -> None:

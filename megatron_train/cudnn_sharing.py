@@ -4,9 +4,9 @@ A pip-installed CUDA torch loads the cuDNN of its ``nvidia-cudnn-cu*`` requireme
 Engine, which megatron-core imports at its own import wherever TE is installed, loads cuDNN
 itself and prefers any other copy to that pip one: ``CUDNN_HOME``, ``CUDNN_PATH``, ``CUDA_HOME``,
 ``CUDA_PATH``, /usr/local/cuda, then the linker's search path (its ``common/__init__.py``). On an
-image that also has a system cuDNN of another version, the process then holds both, and the first
-torch operator that reaches cuDNN fails to load one of its parts (on the lent H200, beside TE 2.11:
-``/lib/x86_64-linux-gnu/libcudnn_cnn.so.9: undefined symbol: ..., version libcudnn_graph.so.9``).
+image that also has a system cuDNN of another version, the process then holds parts of both (on the
+lent H200, TE 2.11 imported after torch had used its cuDNN: ``OSError:
+/lib/x86_64-linux-gnu/libcudnn_cnn.so.9: undefined symbol: ..., version libcudnn_graph.so.9``).
 TE reads ``CUDNN_PATH`` before its other places, so setting it to torch's copy leaves one.
 An image whose torch is built against the system cuDNN (NGC's) has no such requirement, and a
 ``CUDNN_HOME`` or ``CUDNN_PATH`` the user set is theirs: both are left as they are.
