@@ -81,13 +81,12 @@ def _timed(step, steps: int, warmup: int, sync, prof=None) -> list[float]:
 
 
 def _report(name: str, times: list[float], args, m: dict, peak_gib: float, params: int, note: str) -> None:
-    from megatron_train.metrics import flops_per_token
-
+    # FLOPs are counted in the parent (our formula imports megatron-core, and with it Transformer
+    # Engine where installed): the transformers and torchtitan processes never load either.
     step = statistics.median(times)
     tokens = args.micro_batch * args.grad_accum * m["seq"]
     record = dict(framework=name, step_s=step, tokens_per_s=tokens / step, peak_mem_gib=peak_gib, note=note,
-                  params=params,
-                  tflops=flops_per_token(experiment(m, args)) * tokens / step / 1e12)  # fmt: skip
+                  params=params)  # fmt: skip
     print(RESULT + json.dumps(record), flush=True)
 
 
@@ -411,13 +410,14 @@ def worker(args) -> None:
 def _table(results: dict[str, dict | str], peak: float | None, m: dict, args) -> str:
     from megatron_train.metrics import flops_per_token
 
+    per_token = flops_per_token(experiment(m, args))
     lines = [
         f"model: Llama-3 {'tiny' if args.tiny else '1B'} ({m['num_layers']}x{m['hidden_size']}, GQA "
         f"{m['num_attention_heads']}/{m['num_query_groups']}, SwiGLU {m['ffn_hidden_size']}, vocab "
         f"{m['vocab_size']}), seq {m['seq']}, micro-batch {args.micro_batch} x {args.grad_accum} "
         f"accumulation, median of {args.steps} steps after {args.warmup}",
         "FLOPs/token = 3 x forward matmuls, causal attention counted half (Megatron-LM): "
-        f"{flops_per_token(experiment(m, args)) / 1e9:.2f} GFLOP; MFU against "
+        f"{per_token / 1e9:.2f} GFLOP; MFU against "
         + (f"{peak:.0f} TFLOP/s dense bf16" if peak else "no known peak"),
         f"{'framework':<12} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'params':>9}  notes",
     ]
@@ -425,8 +425,9 @@ def _table(results: dict[str, dict | str], peak: float | None, m: dict, args) ->
         if isinstance(r, str):
             lines.append(f"{name:<12} {'-':>10} {'-':>8} {'-':>6} {'-':>9} {'-':>9}  {r}")
             continue
-        mfu = f"{100 * r['tflops'] / peak:.1f}%" if peak else "-"
-        lines.append(f"{name:<12} {r['tokens_per_s']:>10,.0f} {r['tflops']:>8.1f} {mfu:>6} "
+        tflops = r["tokens_per_s"] * per_token / 1e12
+        mfu = f"{100 * tflops / peak:.1f}%" if peak else "-"
+        lines.append(f"{name:<12} {r['tokens_per_s']:>10,.0f} {tflops:>8.1f} {mfu:>6} "
                      f"{r['peak_mem_gib']:>9.1f} {r['params'] / 1e6:>8.1f}M  {r['note']}")  # fmt: skip
     # The goals are ratios of tokens/s: computed here rather than by hand from the rows.
     ran = {name: r["tokens_per_s"] for name, r in results.items() if isinstance(r, dict)}

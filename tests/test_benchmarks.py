@@ -41,6 +41,19 @@ def test_throughput_benchmark_dry_run_on_cpu_prints_a_row_per_framework(tmp_path
     assert params["ours"] == params["hf"] > 0, params
 
 
+def test_transformers_baseline_process_loads_neither_megatron_core_nor_transformer_engine():
+    """The baseline is transformers alone: megatron-core (which imports Transformer Engine where it
+    is installed) stays out of its process; our FLOPs formula runs in the parent."""
+    worker = subprocess.run(
+        [sys.executable, "-X", "importtime", "benchmarks/throughput.py", "--worker", "hf", "--device", "cpu",
+         "--tiny", "--steps", "1", "--warmup", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert worker.returncode == 0 and "RESULT " in worker.stdout, worker.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in worker.stderr.splitlines() if "|" in line}
+    assert "transformers" in imported and not {"megatron.core", "transformer_engine"} & imported
+
+
 def test_throughput_benchmark_prints_where_a_framework_failed(tmp_path):
     """A framework whose process fails keeps one line in the table, and its traceback's end goes
     to the output above it (on the H200 only the last line of a cuDNN error had come back)."""
