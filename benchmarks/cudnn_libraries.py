@@ -46,12 +46,11 @@ def probe(shared: bool) -> dict:
         report["transformer_engine"] = f"{type(error).__name__}: {error}"
     if gpu:
         _use_cudnn(torch, "after TE", report)
+    folders: dict[str, list[str]] = {}
     with open("/proc/self/maps") as maps:
-        files = {line.split()[-1] for line in maps if "libcudnn" in line}
-    report["cudnn_folders"] = {
-        str(Path(f).parent): sorted(Path(g).name for g in files if Path(g).parent == Path(f).parent)
-        for f in files
-    }
+        for path in sorted({Path(line.split()[-1]) for line in maps if "libcudnn" in line}):
+            folders.setdefault(str(path.parent), []).append(path.name)
+    report["cudnn_folders"] = folders
     return report
 
 
