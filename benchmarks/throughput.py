@@ -205,13 +205,23 @@ def _profiler(args, name: str):
         prof.export_chrome_trace(str(out / f"{name}.json.gz"))
         events = prof.key_averages()
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        gpu = torch.cuda.is_available()
         (out / f"{name}.txt").write_text(
-            _busy_line(events, torch.cuda.is_available()) + "\n" + events.table(sort_by=sort, row_limit=40)
+            "\n".join(
+                [
+                    _busy_line(events, gpu),
+                    *_time_by_kind(events, gpu),
+                    events.table(sort_by=sort, row_limit=40),
+                ]
+            )
         )
 
     # Trace two steps after the warm-up; the timings of traced steps are not reported as figures.
+    # with_flops: torch counts each matmul operator's FLOPs, so the matmul kernels' rate is known.
     schedule = torch.profiler.schedule(wait=0, warmup=args.warmup, active=2, repeat=1)
-    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=done)
+    return torch.profiler.profile(
+        activities=activities, schedule=schedule, on_trace_ready=done, with_flops=True
+    )
 
 
 def _busy_line(events, gpu: bool) -> str:
@@ -229,6 +239,51 @@ def _busy_line(events, gpu: bool) -> str:
         kernels_ms = sum(e.self_device_time_total for e in kernels) / count / 1e3
         line += f", {kernels_ms:.1f} ms of GPU kernels ({100 * kernels_ms / wall_ms:.0f} %)"
     return line
+
+
+KERNEL_KINDS = (
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("matmul", r"gemm|nvjet|cutlass|xmma|cublas|^aten::(mm|addmm|bmm|baddbmm)$"),
+    ("optimizer", r"multi_tensor|adam"),
+    ("norm", r"rms_?norm|layer_?norm"),
+    ("compiled (Triton)", r"^triton_"),
+    ("copy, cast, fill", r"memcpy|memset|copy|cat_|^aten::(cat|to|_to_copy|fill_|zero_|clone|contiguous)$"),
+    ("reduction", r"reduce|^aten::(sum|amax|max|mean|norm)$"),
+)
+"""Kernel kinds by the first pattern a kernel's name (on the CPU, an operator's) matches, in this
+order (flash attention's kernels are CUTLASS ones); what matches none is elementwise and other work."""
+MATMUL_OPERATORS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def _time_by_kind(events, gpu: bool) -> list[str]:
+    """A traced step's kernel time by kind, the largest first, and the rate of its matmuls (the
+    FLOPs torch counted for the matmul operators over the matmul kernels' time): what bounds MFU,
+    and how far the rest of the step keeps it from the matmuls' rate."""
+    import re
+
+    from torch.autograd import DeviceType
+
+    steps = max(1, sum(e.count for e in events if e.key.startswith("ProfilerStep")))
+    if gpu:
+        timed = [(e.key, e.self_device_time_total) for e in events
+                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
+    else:
+        timed = [(e.key, e.self_cpu_time_total) for e in events if e.key.startswith("aten::")]
+    by_kind: dict[str, float] = {}
+    for key, us in timed:
+        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, key, re.I)), "elementwise, other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / steps / 1e3
+    total = sum(by_kind.values()) or 1.0
+    lines = [f"{'kernel time by kind':<22} {'ms/step':>9} {'share':>6}"]
+    lines += [f"{kind:<22} {ms:>9.1f} {100 * ms / total:>5.0f}%" for kind, ms in
+              sorted(by_kind.items(), key=lambda item: -item[1])]  # fmt: skip
+    matmul_ms = by_kind.get("matmul", 0.0)
+    flops = sum(e.flops for e in events if e.key in MATMUL_OPERATORS) / steps
+    if matmul_ms and flops:
+        lines.append(
+            f"matmul rate: {flops / (matmul_ms / 1e3) / 1e12:.1f} TFLOP/s ({flops / 1e12:.3g} TFLOP a step)"
+        )
+    return lines
 
 
 # torchtitan 0.3 reads its Trainer config from a Python module: this one is written to a scratch dir.

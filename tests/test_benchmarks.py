@@ -170,6 +170,9 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     assert "model.rope_fusion=true" in outputs["rope_compiled"]
     table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()
     assert re.match(r"per traced step: [\d.]+ ms wall\n", table) and "aten::mm" in table
+    shares = [int(share) for share in re.findall(r"^[A-Za-z(), ]+ +[\d.]+ +(\d+)%$", table, re.M)]
+    assert re.search(r"^matmul +[\d.]+ +\d+%$", table, re.M) and 96 <= sum(shares) <= 104, table
+    assert re.search(r"^matmul rate: [\d.]+ TFLOP/s \([\d.e-]+ TFLOP a step\)$", table, re.M), table
     assert (tmp_path / "dry" / "profile" / "ours.json.gz").stat().st_size > 0
     cross_entropy = outputs["cross_entropy_memory"]
     for mode in ("unfused", "fused, eager", "fused, compiled"):
