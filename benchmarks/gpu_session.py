@@ -9,8 +9,9 @@ first unless megatron-core already imports; the freeze is the lent GPU image's `
 A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
 this script runs the whole plan in one command, the most wanted first. Each step is a real
 command line (the offline install; benchmarks/throughput.py eager, with the rotary embedding
-compiled, with every option that helped and four micro-batches, that last profiled, compiled, and
-without gradient accumulation fusion; benchmarks/gpu_smoke.py; benchmarks/cross_entropy_memory.py);
+compiled, with every option that helped and four micro-batches (torchtitan beside it at that
+micro-batch), that last profiled, compiled, and without gradient accumulation fusion;
+benchmarks/gpu_smoke.py; benchmarks/cross_entropy_memory.py);
 it gets at most its own cap and what is left of the budget, and a step that fails or runs out of
 time does not stop the next. Every step's output goes to ``OUT/steps.log`` under a header line of
 its own, the profiler's table and trace to ``OUT/profile/``, and a table of what ran, how long and
@@ -85,10 +86,12 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
     steps.append(Step("rope_compiled", 150, [*bench, *rope]))
     # The local spec with every option that made it faster somewhere, and four micro-batches of
     # the same 32k tokens: how close the local path comes to 50 % MFU (cuDNN attention is CUDA's).
+    # torchtitan at the same micro-batch beside it, so the ratio to it compares like with like.
     options = ["--set", "model.rope_fusion=true", "--set", "model.cross_entropy_fusion=true"]
     options += [] if cpu else ["--set", "model.attention_backend=cudnn"]
     larger = ["--micro-batch", "4", "--grad-accum", "2"]
-    steps.append(Step("all_options", 150, [*bench, "--frameworks", "ours", *options, *larger, *tiny]))
+    best = ["--frameworks", "ours" if cpu or te else "ours,torchtitan", *options, *larger, *tiny]
+    steps.append(Step("all_options", 210, [*bench, *best]))
     if te:
         fused_loss = ["--set", "model.cross_entropy_fusion=true", *larger, *tiny]
         steps.append(Step("te_all_options", 150, [*bench, "--frameworks", "ours-te", *fused_loss]))

@@ -131,6 +131,7 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
     assert "model.attention_backend=cudnn" in steps[2].argv and steps[2].argv.count("--set") == 3
+    assert frameworks(steps[2]) == "ours,torchtitan" and "--micro-batch" in steps[2].argv
     assert steps[3].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
 
 
