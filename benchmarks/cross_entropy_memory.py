@@ -1,14 +1,14 @@
-"""Peak memory and time of one cross-entropy forward + backward over a micro-batch's logits, for
-megatron-core's unfused loss and its fused one, eager and compiled.
+"""Peak memory and time of one cross-entropy forward + backward over a micro-batch's logits:
+megatron-core's loss, its fused one (eager and compiled), and ours (megatron_train.models.loss,
+what ``model.cross_entropy_fusion=true`` runs on the local spec).
 
     python benchmarks/cross_entropy_memory.py [--seq 4096] [--batch 2] [--vocab 128256] [--repeats 3]
 
-``model.cross_entropy_fusion=true`` selects megatron-core's fused loss, whose steps are
-``jit_fuser`` (``torch.compile``) functions on a GPU; without one they run eagerly. Each mode runs
-in a process of its own, on bf16 logits of shape [seq, batch, vocab] at TP=1: on a GPU the peak is
-``torch.cuda.max_memory_allocated`` above what was allocated before the pass; on the CPU it is the
-process's resident memory sampled every half millisecond (coarser, the same for every mode).
-"""
+megatron-core's fused loss runs its steps as ``jit_fuser`` (``torch.compile``) functions on a GPU
+and eagerly without one; both are shown. Each mode runs in a process of its own, on bf16 logits
+of shape [seq, batch, vocab] at TP=1: on a GPU the peak is ``torch.cuda.max_memory_allocated``
+above what was allocated before the pass; on the CPU it is the process's resident memory sampled
+every half millisecond (coarser, the same for every mode)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from megatron_train import cli  # noqa: E402
 
-MODES = ("unfused", "fused, eager", "fused, compiled")
+MODES = ("megatron-core", "megatron fused, eager", "megatron fused, compiled", "ours, compiled")
 _FUSED_STEPS = ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss",
                 "calculate_gradients")  # fmt: skip
 
@@ -72,23 +72,26 @@ def measure(mode: str, seq: int, batch: int, vocab: int, repeats: int) -> dict:
     from megatron.core.fusions import fused_cross_entropy as fused
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
+    from megatron_train.models import loss as ours
+
     parallel_state.initialize_model_parallel(1)
     for name in _FUSED_STEPS:
         step = getattr(fused, name)
         eager = getattr(step, "_torchdynamo_orig_callable", step)  # jit_fuser compiled it on a GPU
-        setattr(fused, name, torch.compile(eager) if mode == "fused, compiled" else eager)
+        setattr(fused, name, torch.compile(eager) if mode == "megatron fused, compiled" else eager)
 
     device = "cuda" if cuda else "cpu"
     logits = torch.randn(seq, batch, vocab, dtype=torch.bfloat16, device=device, requires_grad=True)
     target = torch.randint(0, vocab, (seq, batch), device=device)
 
     def one_pass() -> None:
-        if mode == "unfused":
+        group = parallel_state.get_tensor_model_parallel_group()
+        if mode == "megatron-core":
             loss = vocab_parallel_cross_entropy(logits, target)
+        elif mode == "ours, compiled":
+            loss = ours.vocab_parallel_cross_entropy(logits, target, group)
         else:
-            loss = fused.fused_vocab_parallel_cross_entropy(
-                logits, target, parallel_state.get_tensor_model_parallel_group()
-            )
+            loss = fused.fused_vocab_parallel_cross_entropy(logits, target, group)
         loss.sum().backward()
         logits.grad = None
         if cuda:
@@ -129,7 +132,7 @@ def main() -> None:
 
     copy = args.seq * args.batch * args.vocab * 4
     print(f"logits [{args.seq}, {args.batch}, {args.vocab}] bf16; one fp32 copy = {copy / 2**20:,.0f} MiB")
-    print(f"{'mode':<18} {'peak above start':>18} {'in fp32 copies':>15} {'ms per pass':>12}")
+    print(f"{'mode':<26} {'peak above start':>18} {'in fp32 copies':>15} {'ms per pass':>12}")
     device = "unknown"
     for mode in MODES:
         cmd = [sys.executable, __file__, "--mode", mode, "--seq", str(args.seq), "--batch", str(args.batch),
@@ -137,11 +140,11 @@ def main() -> None:
         done = subprocess.run(cmd, capture_output=True, text=True)
         found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not found:
-            print(f"{mode:<18} failed: {done.stderr.strip().splitlines()[-1:]}")
+            print(f"{mode:<26} failed: {done.stderr.strip().splitlines()[-1:]}")
             continue
         r = json.loads(found[-1].removeprefix("RESULT "))
         device = r["device"]
-        print(f"{mode:<18} {r['peak_bytes'] / 2**20:>14,.0f} MiB {r['peak_bytes'] / copy:>15.2f} "
+        print(f"{mode:<26} {r['peak_bytes'] / 2**20:>14,.0f} MiB {r['peak_bytes'] / copy:>15.2f} "
               f"{r['seconds'] * 1000:>12.1f}")  # fmt: skip
     print(f"device: {device}")
 

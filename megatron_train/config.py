@@ -163,9 +163,10 @@ class ModelConfig:
     attention_dropout: Probability = 0.0
     """Dropout on attention probabilities."""
     cross_entropy_fusion: bool = False
-    """Fused cross-entropy on GPU: Transformer Engine's kernel with the TE spec, megatron-core's
-    native fused one otherwise (5.6% faster on one H100 for a 1B model, 3.9 GiB higher peak: see
-    README). The CPU always uses the plain one."""
+    """Fused cross-entropy: Transformer Engine's kernel with the TE spec; with the local spec,
+    torch.compile'd passes over the logits as they are (megatron_train.models.loss), which never
+    write the fp32 copy of a micro-batch's logits that megatron-core's loss keeps (see README:
+    Performance). Compiles at the first step (C++ on a CPU)."""
     gradient_accumulation_fusion: bool = True
     """Each weight-gradient GEMM adds its product straight into the fp32 main gradient instead of
     writing a gradient that is then added to it (megatron-core's gradient accumulation fusion,
@@ -181,8 +182,9 @@ class ModelConfig:
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE."""
     compile: bool = False
-    """torch.compile each transformer layer, as torchtitan compiles each block, so the norms,
-    rotary embedding, SwiGLU and residual adds around the matmuls are fused. Dense models on the
+    """torch.compile each transformer layer and the loss, as torchtitan compiles each block and
+    its loss, so the norms, rotary embedding, SwiGLU and residual adds around the matmuls are
+    fused, and the loss is model.cross_entropy_fusion's compiled passes. Dense models on the
     local layers, with full or ``core_attn`` recompute; tensor and sequence parallelism's
     communication splits each layer into several compiled graphs. The first step takes longer
     while the layer compiles (once: the layers share their code)."""

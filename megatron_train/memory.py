@@ -8,8 +8,9 @@ TP only with sequence parallelism. A mixture of experts counts each token's top-
 experts it reaches; routed experts' weights are split over EP x expert-TP ranks. Context
 parallelism splits every sequence's tokens; our own CP attention adds the gathered keys and
 values, and its document mask a byte per query-key pair. The last stage adds the logits and the
-cross-entropy's fp32 softmax. ``benchmarks/memory_model.py`` measures
-peak memory for comparison (``tests/test_memory.py`` holds it within 15%).
+cross-entropy's fp32 softmax (megatron-core's loss) or the logits' gradient (our compiled one).
+``benchmarks/memory_model.py`` measures peak memory for comparison (``tests/test_memory.py``
+holds it within 15%).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from megatron_train.config import ExperimentConfig, ModelConfig, data_parallel_size
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import physical_memory
+from megatron_train.models.common import one_pass_loss
 from megatron_train.models.registry import family_of
 
 
@@ -125,8 +127,10 @@ def estimate(cfg: ExperimentConfig, world_size: int, on_gpu: bool = True) -> Mem
     layers = m.num_layers / p.pipeline
     microbatches = t.global_batch_size // (t.micro_batch_size * dp)
     tokens = t.micro_batch_size * cfg.data.seq_length / p.context
-    # The logits, and the cross-entropy's fp32 softmax (and fp32 copy of bf16 logits).
-    logits = tokens * m.padded_vocab_size / p.tensor * (elem + (8 if bf16 else 4))
+    # The logits, and megatron-core's cross-entropy's fp32 softmax (and fp32 copy of bf16 logits);
+    # our compiled loss keeps the logits for its backward and writes their gradient, nothing more.
+    per_logit = 2 * elem if one_pass_loss(m, te) else elem + (8 if bf16 else 4)
+    logits = tokens * m.padded_vocab_size / p.tensor * per_logit
     # Our attention's document mask: a byte per (local query, key) pair, shared by the layers.
     mask = tokens * cfg.data.seq_length if cfg.data.document_mask and not te else 0.0
     stages = {

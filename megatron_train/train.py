@@ -132,6 +132,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     from megatron_train.evaluation import Evaluator
     from megatron_train.gc_pacing import GcPacing
     from megatron_train.model import build_model, compiles_rope, layer_implementation
+    from megatron_train.models.common import one_pass_loss
     from megatron_train.optim import build_optimizer
     from megatron_train.profiling import StepProfiler
     from megatron_train.step import Stepper
@@ -180,6 +181,10 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
         layers += ", layers compiled"
     elif compiles_rope(cfg, te):
         layers += ", RoPE compiled"
+    if one_pass_loss(cfg.model, te):
+        layers += ", fused cross-entropy (compiled passes)"
+    elif cfg.model.cross_entropy_fusion:
+        layers += ", fused cross-entropy (Transformer Engine's)"
     # Asked for (the default) but unavailable: a GPU without apex whose torch lacks addmm's
     # bf16 -> fp32 form.
     unfused = not model[0].config.gradient_accumulation_fusion

@@ -23,6 +23,13 @@ def grad_accumulation_fusion(m: ModelConfig) -> bool:
     return m.gradient_accumulation_fusion and not m.compile and weight_gradient_accumulation_in_torch()
 
 
+def one_pass_loss(m: ModelConfig, use_transformer_engine: bool) -> bool:
+    """Whether the loss is models/loss.py's compiled passes: ``model.cross_entropy_fusion`` on the
+    local spec (Transformer Engine's spec fuses it in TE's kernel), and ``model.compile``, which
+    compiles the loss with the layers as torchtitan compiles its loss with the blocks."""
+    return (m.cross_entropy_fusion or m.compile) and not use_transformer_engine
+
+
 def recompute_options(m: ModelConfig) -> dict[str, Any]:
     """``model.recompute*`` as megatron-core's recompute granularity, method, layers and modules."""
     if m.recompute == "none":
@@ -61,8 +68,9 @@ def shared_options(cfg: ExperimentConfig, params_dtype: torch.dtype, use_transfo
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=grad_accumulation_fusion(m),
         persist_layer_norm=False,
-        cross_entropy_loss_fusion=m.cross_entropy_fusion and on_gpu,
-        cross_entropy_fusion_impl="te" if use_transformer_engine else "native",
+        # The local spec's fused loss is models/loss.py's (megatron's "native" one writes fp32 copies).
+        cross_entropy_loss_fusion=m.cross_entropy_fusion and use_transformer_engine,
+        cross_entropy_fusion_impl="te",
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=True,
         # megatron-core 0.16's default, "full", warns on every config that it is deprecated; the

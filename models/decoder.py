@@ -17,7 +17,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_train.config import ExperimentConfig, ModelConfig
 from megatron_train.models import counts
-from megatron_train.models.common import shared_options
+from megatron_train.models import loss as loss_fn
+from megatron_train.models.common import one_pass_loss, shared_options
 from megatron_train.models.family import Family
 from megatron_train.models.hf_tensors import HfMapping, MoeNames, tensors
 from megatron_train.models.layers import RotaryAtPositions
@@ -75,6 +76,22 @@ def moe_options(m: ModelConfig, use_transformer_engine: bool) -> dict:
     )
 
 
+class Decoder(GPTModel):
+    """megatron-core's GPTModel, whose loss is :mod:`megatron_train.models.loss`'s where
+    ``one_pass_loss`` says so (:func:`megatron_train.models.common.one_pass_loss`)."""
+
+    def __init__(self, *args, one_pass_loss: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.one_pass_loss = one_pass_loss
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if not self.one_pass_loss:
+            return super().compute_language_model_loss(labels, logits)
+        # As megatron-core's: labels [b, s], logits [s, b, vocab / TP], the loss back as [b, s].
+        loss = loss_fn.vocab_parallel_cross_entropy(logits, labels.t().contiguous(), self.pg_collection.tp)
+        return loss.t().contiguous()
+
+
 def build_model_chunks(
     cfg: ExperimentConfig, config: TransformerConfig, use_transformer_engine: bool
 ) -> list[GPTModel]:
@@ -83,7 +100,8 @@ def build_model_chunks(
     stages = range(vpp) if vpp else [None]
     chunks = []
     for vp_stage in stages:
-        model = GPTModel(
+        model = Decoder(
+            one_pass_loss=one_pass_loss(cfg.model, use_transformer_engine),
             config=config,
             transformer_layer_spec=decoder_block_spec(
                 config, use_transformer_engine, vp_stage, cfg.model.attention_backend

@@ -143,8 +143,9 @@ def test_compiled_rotary_embedding_matches_single_rank(tmp_path, corpus, small_l
 def test_compiled_layers_match_single_rank_and_resume_bitwise(
     tmp_path, corpus, small_lr_baseline, monkeypatch
 ):
-    """model.compile at TP2 x SP (tensor-parallel communication splits the compiled layer) with
-    full recompute, against the eager single-rank run; then a compiled resume from step 3."""
+    """model.compile (the layers and the loss) at TP2 x SP (tensor-parallel communication splits
+    the compiled layer; the loss runs over each rank's half of the vocabulary) with full recompute,
+    against the eager single-rank run; then a compiled resume from step 3."""
     # Inductor's generated code lands here, which shows the layers were compiled.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer=SMALL_LR,
@@ -158,7 +159,7 @@ def test_compiled_layers_match_single_rank_and_resume_bitwise(
     result = torchrun(2, config, *layout)
     assert result.returncode == 0, result.stderr[-4000:]
     assert not result.stderr.strip(), result.stderr[-4000:]
-    assert "layers compiled" in result.stdout
+    assert "layers compiled, fused cross-entropy (compiled passes)" in result.stdout
     assert list((tmp_path / "inductor").rglob("*.py")), "nothing was compiled"
     assert_losses_match(small_lr_baseline, tmp_path / "run", "eager single-rank")
 
