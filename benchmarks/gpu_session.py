@@ -1,7 +1,7 @@
 """One device call's worth of the GPU checks and benchmarks, the most wanted first, each in a time box.
 
-    python benchmarks/gpu_session.py --out $OUT [--budget-s 540]      # on the GPU node
-    python benchmarks/gpu_session.py --out /tmp/dry --cpu                # dry run of every step here
+    python benchmarks/gpu_session.py --out $OUT [--budget-s 540] [--steps a,b]   # on the GPU node
+    python benchmarks/gpu_session.py --out /tmp/dry --cpu                           # dry run here
 
 On the node: the checkout, and wheelhouse/ from ``tools/build_wheelhouse.sh --python 3.12
 --node-freeze benchmarks/gpu_node_freeze.txt --with-torchtitan 0.2.2 --out wheelhouse`` (installed
@@ -9,15 +9,17 @@ first unless megatron-core already imports; the freeze is the lent GPU image's `
 A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
 this script runs the whole plan in one command, the most wanted first. Each step is a real
 command line (the offline install; benchmarks/throughput.py eager, with the rotary embedding
-compiled, with every option that helped and four micro-batches (torchtitan beside it at that
-micro-batch), that last profiled, compiled, and without gradient accumulation fusion;
-benchmarks/gpu_smoke.py; benchmarks/cross_entropy_memory.py);
-it gets at most its own cap and what is left of the budget, and a step that fails or runs out of
+compiled, with our compiled loss, with every option that helped and four micro-batches
+(torchtitan beside it at that micro-batch), that last profiled, compiled, and without gradient
+accumulation fusion; benchmarks/gpu_smoke.py; benchmarks/cross_entropy_memory.py); it gets at
+most its own cap and what is left of the budget, and a step that fails or runs out of
 time does not stop the next. Every step's output goes to ``OUT/steps.log`` under a header line of
 its own, the profiler's table and trace to ``OUT/profile/``, and a table of what ran, how long and
 how it ended to ``OUT/summary.txt``, so what a cut-short session measured still comes back (in few
 files: a device call brings back at most eight). ``--cpu`` runs the same steps at the tiny shape
-on this machine, leaving out the GPU smoke test (it needs CUDA).
+on this machine, leaving out the GPU smoke test (it needs CUDA). The whole plan takes more than
+one call's ten minutes: ``--steps`` runs the named steps only, so it goes in two calls to the
+same warm machine (the second finds megatron-core installed and skips the install).
 
 A wheelhouse built ``--with-te cu13`` makes the plan Transformer Engine's: the install compiles
 TE's torch extension against the node's torch (capped at 480 s; 129 s on the lent H200's 16
@@ -84,6 +86,10 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
     # The local spec with its rotary embedding compiled (model.rope_fusion, off by default).
     rope = ["--frameworks", "ours", "--set", "model.rope_fusion=true", *tiny]
     steps.append(Step("rope_compiled", 150, [*bench, *rope]))
+    # The local spec with our compiled loss (model.cross_entropy_fusion; megatron-core's keeps an
+    # fp32 copy of the logits): its own row, since it too may become a default.
+    fused_loss = ["--frameworks", "ours", "--set", "model.cross_entropy_fusion=true", *tiny]
+    steps.append(Step("fused_loss", 150, [*bench, *fused_loss]))
     # The local spec with every option that made it faster somewhere, and four micro-batches of
     # the same 32k tokens: how close the local path comes to 50 % MFU (cuDNN attention is CUDA's).
     # torchtitan at the same micro-batch beside it, so the ratio to it compares like with like.
@@ -158,13 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--wheelhouse", type=Path, default=ROOT / "wheelhouse", help="the offline install kit (if there)"
     )
+    parser.add_argument(
+        "--steps", help="comma-separated steps of the plan to run, in its order (default: all): a plan "
+        "longer than one device call goes in two calls to the same warm machine"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     out = Path(args.out)
+    steps = plan(args.cpu, out, args.wheelhouse)
+    if args.steps is not None:
+        wanted, names = args.steps.split(","), [step.name for step in steps]
+        if unknown := [name for name in wanted if name not in names]:
+            print(
+                f"error: --steps: {unknown[0]!r} is not a step of this plan ({', '.join(names)})",
+                file=sys.stderr,
+            )
+            return 2
+        steps = [step for step in steps if step.name in wanted]
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     rows = []
     log = out / "steps.log"
-    for step in plan(args.cpu, out, args.wheelhouse):
+    for step in steps:
         left = deadline - time.monotonic()
         if left < MIN_STEP_S:
             rows.append((step.name, 0.0, f"skipped ({left:.0f} s of the budget left)"))

@@ -116,8 +116,8 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     names = [step.name for step in steps]
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
     assert names == [
-        "install", "cudnn_libraries", "throughput_te", "throughput_eager", "rope_compiled", "all_options",
-        "te_all_options", "wgrad_unfused", "smoke", "cross_entropy_memory",
+        "install", "cudnn_libraries", "throughput_te", "throughput_eager", "rope_compiled", "fused_loss",
+        "all_options", "te_all_options", "wgrad_unfused", "smoke", "cross_entropy_memory",
     ]  # fmt: skip
     assert steps[0].cap_s > 240
     assert frameworks(steps[2]) == "ours-te" and frameworks(steps[3]) == "ours,hf"
@@ -126,13 +126,23 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     assert names == [
-        "throughput_eager", "rope_compiled", "all_options", "profile", "throughput_compiled", "wgrad_unfused",
-        "smoke", "cross_entropy_memory",
+        "throughput_eager", "rope_compiled", "fused_loss", "all_options", "profile", "throughput_compiled",
+        "wgrad_unfused", "smoke", "cross_entropy_memory",
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
-    assert "model.attention_backend=cudnn" in steps[2].argv and steps[2].argv.count("--set") == 3
-    assert frameworks(steps[2]) == "ours,torchtitan" and "--micro-batch" in steps[2].argv
-    assert steps[3].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
+    assert "model.attention_backend=cudnn" in steps[3].argv and steps[3].argv.count("--set") == 3
+    assert frameworks(steps[3]) == "ours,torchtitan" and "--micro-batch" in steps[3].argv
+    assert steps[4].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
+
+
+def test_gpu_session_runs_only_the_steps_named(tmp_path):
+    """--steps: the second call of a plan split over two, here one cheap step of the dry run."""
+    session = [sys.executable, "benchmarks/gpu_session.py", "--cpu", "--out", str(tmp_path / "dry")]
+    result = subprocess.run([*session, "--steps", "cross_entropy_memory"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in summary] == ["cross_entropy_memory"], summary
 
 
 def test_cudnn_probe_runs_both_cases_where_there_is_no_cudnn():
@@ -158,8 +168,8 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
-    steps = ["throughput_eager", "rope_compiled", "all_options", "profile", "throughput_compiled",
-             "wgrad_unfused", "cross_entropy_memory"]  # fmt: skip
+    steps = ["throughput_eager", "rope_compiled", "fused_loss", "all_options", "profile",
+             "throughput_compiled", "wgrad_unfused", "cross_entropy_memory"]  # fmt: skip
     assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
     outputs = session_tool.step_outputs(tmp_path / "dry" / "steps.log")
     assert list(outputs) == steps
@@ -169,6 +179,7 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     assert "wgrad GEMMs accumulate into main_grad" in outputs["throughput_eager"]
     assert "main_grad" not in outputs["wgrad_unfused"].split("framework")[-1]
     assert "model.rope_fusion=true" in outputs["rope_compiled"]
+    assert "model.cross_entropy_fusion=true" in outputs["fused_loss"].split("framework")[-1]
     table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()
     assert re.match(r"per traced step: [\d.]+ ms wall\n", table) and "aten::mm" in table
     shares = [int(share) for share in re.findall(r"^[A-Za-z(), ]+ +[\d.]+ +(\d+)%$", table, re.M)]
@@ -206,6 +217,10 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
         (["memory_model.py", "--preset", "llama9"], "unknown preset 'llama9'"),
         (["recompute_memory.py", "--preset", "tiny", "model.bogus=1"], "'model.bogus': unknown key"),
         (["cross_entropy_memory.py", "--repeats", "0"], "argument --repeats"),
+        (
+            ["gpu_session.py", "--cpu", "--out", "unmade", "--steps", "profile,bogus"],
+            "--steps: 'bogus' is not",
+        ),
         (["convert_memory.py", "--workdir", "/nonexistent"], "--workdir: no folder"),
         (["preprocess_throughput.py", "--input", "missing.jsonl", "--tokenizer", "x"], "--input: no file"),
     ],
