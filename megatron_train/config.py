@@ -166,7 +166,7 @@ class ModelConfig:
     """Fused cross-entropy: Transformer Engine's kernel with the TE spec; with the local spec,
     torch.compile'd passes over the logits as they are (megatron_train.models.loss), which never
     write the fp32 copy of a micro-batch's logits that megatron-core's loss keeps (see README:
-    Performance). Compiles at the first step (C++ on a CPU)."""
+    Design choices). Compiles at the first step (C++ on a CPU)."""
     gradient_accumulation_fusion: bool = True
     """Each weight-gradient GEMM adds its product straight into the fp32 main gradient instead of
     writing a gradient that is then added to it (megatron-core's gradient accumulation fusion,

@@ -8,9 +8,9 @@ new fp32 buffer. For a 128k vocabulary and 8k tokens a copy is 4 GiB, and writin
 them costs about as much as the output layer's matmul. Here the forward reads the logits twice
 (the maximum, then the sum of exponentials with the target's logit) and the backward once, each
 read a compiled reduction or elementwise kernel that upcasts as it goes; what is kept for the
-backward is two fp32 numbers a token. The arithmetic is megatron's: the same maximum shift and
-the same ``log(sum exp) - target logit``, reduced over the tensor-parallel group in the same two
-all-reduces.
+backward is the logits themselves and two fp32 numbers a token. The arithmetic is megatron's:
+the same maximum shift and the same ``log(sum exp) - target logit``, reduced over the
+tensor-parallel group in the same two all-reduces.
 """
 
 from __future__ import annotations
