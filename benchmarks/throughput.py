@@ -204,8 +204,8 @@ def _profiler(args, name: str):
     def done(prof):
         prof.export_chrome_trace(str(out / f"{name}.json.gz"))
         events = prof.key_averages()
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         gpu = torch.cuda.is_available()
+        sort = "self_cuda_time_total" if gpu else "self_cpu_time_total"
         (out / f"{name}.txt").write_text(
             "\n".join(
                 [
@@ -224,19 +224,27 @@ def _profiler(args, name: str):
     )
 
 
+def _traced(events, gpu: bool) -> tuple[int, list[tuple[str, float]]]:
+    """How many steps the trace holds, and each kernel's own time in microseconds (on the CPU,
+    each operator's), summed over them. Kernel rows only, as the table's own total counts them:
+    an operator's row repeats its kernels' time."""
+    from torch.autograd import DeviceType
+
+    steps = max(1, sum(e.count for e in events if e.key.startswith("ProfilerStep")))
+    if gpu:
+        return steps, [(e.key, e.self_device_time_total) for e in events
+                       if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
+    return steps, [(e.key, e.self_cpu_time_total) for e in events if e.key.startswith("aten::")]
+
+
 def _busy_line(events, gpu: bool) -> str:
     """How much of a traced step the GPU spent in kernels: far under 100 % means the host (Python,
     launches, synchronisations) holds the GPU back, not the kernels."""
-    steps = [e for e in events if e.key.startswith("ProfilerStep")]
-    count = max(1, sum(e.count for e in steps))
-    wall_ms = sum(e.cpu_time_total for e in steps) / count / 1e3
+    steps, kernels = _traced(events, gpu)
+    wall_ms = sum(e.cpu_time_total for e in events if e.key.startswith("ProfilerStep")) / steps / 1e3
     line = f"per traced step: {wall_ms:.1f} ms wall"
     if gpu and wall_ms:
-        from torch.autograd import DeviceType
-
-        # As the table's own total: kernel rows only (each op's row repeats its kernels' time).
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-        kernels_ms = sum(e.self_device_time_total for e in kernels) / count / 1e3
+        kernels_ms = sum(us for _, us in kernels) / steps / 1e3
         line += f", {kernels_ms:.1f} ms of GPU kernels ({100 * kernels_ms / wall_ms:.0f} %)"
     return line
 
@@ -247,7 +255,7 @@ KERNEL_KINDS = (
     ("optimizer", r"multi_tensor|adam"),
     ("norm", r"rms_?norm|layer_?norm"),
     ("compiled (Triton)", r"^triton_"),
-    ("copy, cast, fill", r"memcpy|memset|copy|cat_|^aten::(cat|to|_to_copy|fill_|zero_|clone|contiguous)$"),
+    ("copy, cast, fill", r"memcpy|memset|copy|^aten::(cat|to|_to_copy|fill_|zero_|clone|contiguous)$"),
     ("reduction", r"reduce|^aten::(sum|amax|max|mean|norm)$"),
 )
 """Kernel kinds by the first pattern a kernel's name (on the CPU, an operator's) matches, in this
@@ -261,14 +269,7 @@ def _time_by_kind(events, gpu: bool) -> list[str]:
     and how far the rest of the step keeps it from the matmuls' rate."""
     import re
 
-    from torch.autograd import DeviceType
-
-    steps = max(1, sum(e.count for e in events if e.key.startswith("ProfilerStep")))
-    if gpu:
-        timed = [(e.key, e.self_device_time_total) for e in events
-                 if e.device_type == DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
-    else:
-        timed = [(e.key, e.self_cpu_time_total) for e in events if e.key.startswith("aten::")]
+    steps, timed = _traced(events, gpu)
     by_kind: dict[str, float] = {}
     for key, us in timed:
         kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, key, re.I)), "elementwise, other")

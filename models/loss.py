@@ -2,14 +2,14 @@
 logits as they are (bf16 in mixed precision) and never write an fp32 copy of them.
 
 megatron-core 0.16.1's vocab-parallel loss (``tensor_parallel.cross_entropy``) converts a
-micro-batch's logits to fp32 and keeps that copy, as the softmax, for the backward; its fused
-variant (``fusions/fused_cross_entropy.py``) compiles the same steps one by one, each writing a
-new fp32 buffer. For a 128k vocabulary and 8k tokens a copy is 4 GiB, and writing and reading
-them costs about as much as the output layer's matmul. Here the forward reads the logits twice
-(the maximum, then the sum of exponentials with the target's logit) and the backward once, each
-read a compiled reduction or elementwise kernel that upcasts as it goes; what is kept for the
-backward is the logits themselves and two fp32 numbers a token. The arithmetic is megatron's:
-the same maximum shift and the same ``log(sum exp) - target logit``, reduced over the
+micro-batch's logits to fp32 and keeps that copy, as the softmax, for the backward; its fused variant
+(``fusions/fused_cross_entropy.py``) compiles the same steps one by one, each writing a new fp32
+buffer. For a 128k vocabulary and 8k tokens a copy is 4 GiB, and on one H200 that loss took 17.5 ms
+a micro-batch (12.8 ms fused and compiled), about a tenth of the benchmark's step. Here the forward
+reads the logits twice (the maximum, then the sum of exponentials with the target's logit) and the
+backward once, each read a compiled reduction or elementwise kernel that upcasts as it goes; what
+is kept for the backward is the logits themselves and two fp32 numbers a token. The arithmetic is
+megatron's: the same maximum shift and the same ``log(sum exp) - target logit``, reduced over the
 tensor-parallel group in the same two all-reduces.
 """
 
@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel.utils import VocabUtility
 
 
 def _logits_max(logits: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,9 @@ class _OnePassCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         split = group.size() > 1
-        vocab_start = group.rank() * logits.size(-1)
+        vocab_start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+            logits.size(-1), group.rank(), group.size()
+        )
         logits_max = _compiled(_logits_max)(logits)
         if split:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
