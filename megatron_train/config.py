@@ -143,7 +143,8 @@ class ModelConfig:
     ``sigmoid`` (DeepSeek-V3)."""
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before choosing the top-k, so the chosen weights need not sum to
-    one (Switch Transformer; Qwen3-MoE with ``norm_topk_prob: false``). Required for top-1."""
+    one (Switch Transformer; Qwen3-MoE with ``norm_topk_prob: false``). Required for top-1;
+    softmax scores only."""
     moe_router_expert_bias: bool = False
     """Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias that only affects which experts
     are chosen, moved after each step towards equal loads. Needs the sigmoid score function."""
@@ -1044,6 +1045,13 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> Non
             "model.moe_router_pre_softmax",
             "must be true with top-1 softmax routing (a softmax over one chosen logit is constant)",
             "set model.moe_router_pre_softmax=true or route to 2 or more experts",
+        )
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        # megatron-core reads the flag on its softmax path only: with sigmoid it would do nothing.
+        raise ConfigError(
+            "model.moe_router_pre_softmax",
+            "chooses where the softmax goes, and model.moe_router_score_function is sigmoid",
+            "set model.moe_router_pre_softmax=false or the score function to softmax",
         )
     if m.moe_router_expert_bias and m.moe_router_score_function != "sigmoid":
         raise ConfigError(

@@ -446,6 +446,17 @@ CASES = [
         "sigmoid",
     ),  # fmt: skip
     Case(
+        "moe-pre-softmax-with-sigmoid",
+        "train",
+        _train(
+            "model.preset=qwen3-moe-tiny",
+            "model.moe_router_score_function=sigmoid",
+            "model.moe_router_pre_softmax=true",
+            FRESH,
+        ),
+        "moe_router_score_function is sigmoid",
+    ),
+    Case(
         "mixtral-without-experts",
         "train",
         _train("model.family=mixtral", "model.preset=null", FRESH),
