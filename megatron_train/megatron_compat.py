@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -216,10 +217,16 @@ def redirect_cuda_rng_state(get: Callable[..., torch.Tensor], set_: Callable[...
     """Make megatron's RNG tracker read and write the generator ``get`` / ``set_`` stand for.
 
     0.16: the tracker's fork calls the private ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
-    of ``tensor_parallel.random`` directly, not ``torch.cuda``'s functions.
+    of ``tensor_parallel.random`` directly, not ``torch.cuda``'s functions. Its fork also logs a
+    warning whenever the CPU generator moved inside it, which on a GPU means some op drew from
+    the wrong generator; redirected, the CPU generator is the forked one, so every dropout inside a
+    fork (attention dropout: once a layer and micro-batch) moves it as intended: that warning goes.
     """
     mcore_random._get_cuda_rng_state = get
     mcore_random._set_cuda_rng_state = set_
+    logging.getLogger(mcore_random.__name__).addFilter(
+        lambda record: record.getMessage() != "CPU RNG state changed within GPU RNG context"
+    )
 
 
 def optimizer_without_cuda_kernels() -> None:

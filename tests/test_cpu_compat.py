@@ -73,6 +73,9 @@ SCRIPT = textwrap.dedent(
 def test_cpu_compat_adaptations():
     result = run_tool("-c", SCRIPT, check=False)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+    # The forks above draw from the CPU generator, the one redirected: megatron's warning that
+    # it moved is a false alarm here (once a layer and micro-batch with attention dropout).
+    assert "RNG state changed" not in result.stderr, result.stderr[-3000:]
 
 
 EAGER_FUSIONS = textwrap.dedent(
