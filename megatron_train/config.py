@@ -431,7 +431,7 @@ class CheckpointConfig:
     checksums: bool = True
     """Record a SHA-256 of every file in the completion record (computed in the background)."""
     verify_checksums: bool = False
-    """Verify those checksums when loading (sizes are always verified)."""
+    """Verify those checksums when loading (sizes are always verified); needs checkpoint.checksums."""
 
 
 @dataclass
@@ -972,6 +972,14 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "checkpoint.init_from",
             f"applies only while resuming is automatic, but checkpoint.load={c.load!r}",
             "set checkpoint.load=auto, or load the weights with checkpoint.load + checkpoint.finetune",
+        )
+    if c.verify_checksums and not c.checksums:
+        # Found only at the first resume otherwise: a requeued job would stop at its own checkpoint.
+        raise ConfigError(
+            "checkpoint.verify_checksums",
+            "verifies checksums on load, and checkpoint.checksums=false writes none: this run could not "
+            "resume from its own checkpoints",
+            "set checkpoint.checksums=true, or checkpoint.verify_checksums=false",
         )
     if c.finetune and c.load in ("auto", "none"):
         raise ConfigError(

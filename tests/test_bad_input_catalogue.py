@@ -854,6 +854,12 @@ CASES = [
         _run_with_ckpt(_without_checksums),
     ),
     Case(
+        "verify-checksums-never-written",
+        "train",
+        _train("checkpoint.checksums=false", "checkpoint.verify_checksums=true", FRESH),
+        "could not resume from its own checkpoints",
+    ),
+    Case(
         "preflight-verifying-checksums-saved-without",
         "preflight",
         _preflight(
