@@ -92,6 +92,9 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.backends = None if backend == "auto" else [_SDPA_BACKENDS[backend]]
+        # From the config, not the tensors' head counts: a compiled layer whose shapes turn dynamic
+        # would pass SDPA a symbolic bool, which it refuses (a graph break).
+        self.grouped = (config.num_query_groups or config.num_attention_heads) != config.num_attention_heads
         self.context = config.context_parallel_size
         if self.context > 1:
             self.context_group = parallel_state.get_context_parallel_group()
@@ -114,7 +117,7 @@ class SDPAttention(MegatronModule):
         # megatron passes [seq, batch, heads, dim]; SDPA wants [batch, heads, seq, dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        kwargs = dict(scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+        kwargs = dict(scale=self.softmax_scale, enable_gqa=self.grouped)
         # Heads differ per TP rank, so their dropout masks come from the model-parallel RNG.
         rng = (
             tensor_parallel.get_cuda_rng_tracker().fork()
