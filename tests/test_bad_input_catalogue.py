@@ -1262,6 +1262,14 @@ CASES = [
         "config.json intermediate_size: 0 is out of range",
         _hf_copy(_edit_hf_config(lambda c: c.update(intermediate_size=0))),
     ),
+    # a config.json cut short: the import dropped the layers it no longer named
+    Case(
+        "import-hf-fewer-layers-than-stored",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-fewer-layers-than-stored/hf", "--out", "WS/cases/o"),
+        "beyond the 1 layer(s) config.json describes",
+        _hf_copy(_edit_hf_config(lambda c: c.update(num_hidden_layers=1))),
+    ),
     # a string "false" is true to Python: the import tied embeddings the checkpoint has apart
     Case(
         "import-hf-tie-as-a-string",

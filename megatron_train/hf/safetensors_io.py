@@ -9,8 +9,9 @@ documents (8-byte little-endian header length, JSON header of dtype/shape/offset
 from __future__ import annotations
 
 import json
+import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -43,6 +44,19 @@ def _read_index(path: Path) -> dict[str, str]:
             f"{path}: weight_map is not a mapping of tensor names to shard files; download the model again"
         )
     return weight_map
+
+
+_LAYER = re.compile(r"^(.*layers)\.(\d+)\.")
+"""A decoder layer's tensor name: ``model.layers.<index>.``... in every family's naming."""
+
+
+def _layer_counts(names: Iterable[str]) -> dict[str, int]:
+    """How many layers each ``...layers`` prefix of these names numbers."""
+    counts: dict[str, int] = {}
+    for match in filter(None, map(_LAYER.match, names)):
+        prefix, index = match.groups()
+        counts[prefix] = max(counts.get(prefix, 0), int(index) + 1)
+    return counts
 
 
 class HFWeights:
@@ -90,7 +104,19 @@ class HFWeights:
         return self._file_with(name).get_tensor(name)
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
-        """Every expected tensor is stored with the expected shape (headers only)."""
+        """Every expected tensor is stored with the expected shape, and no layer beyond the
+        expected ones is stored (headers only)."""
+        # Other stored names pass (old checkpoints keep RoPE's inv_freq buffers, tied ones may keep
+        # lm_head), but a layer past config.json's count means a config cut short: the import
+        # would drop those layers without a word.
+        described = _layer_counts(expected)
+        for prefix, count in _layer_counts(self.weight_map).items():
+            if count > described.get(prefix, 0):
+                raise ConversionError(
+                    f"{self.dir} holds tensors of layer {count - 1} ({prefix}.{count - 1}.*), beyond the "
+                    f"{described.get(prefix, 0)} layer(s) config.json describes: the weights and "
+                    "config.json belong to different models; download the model again"
+                )
         for name, shape in expected.items():
             stored = tuple(self._file_with(name).get_slice(name).get_shape())
             if stored != tuple(shape):
