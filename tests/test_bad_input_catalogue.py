@@ -1267,7 +1267,7 @@ CASES = [
         "import-hf-fewer-layers-than-stored",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-fewer-layers-than-stored/hf", "--out", "WS/cases/o"),
-        "beyond the 1 layer(s) config.json describes",
+        "model.layers.1, beyond the 1 layers config.json describes",
         _hf_copy(_edit_hf_config(lambda c: c.update(num_hidden_layers=1))),
     ),
     # a string "false" is true to Python: the import tied embeddings the checkpoint has apart

@@ -46,14 +46,15 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
-_LAYER = re.compile(r"^(.*layers)\.(\d+)\.")
-"""A decoder layer's tensor name: ``model.layers.<index>.``... in every family's naming."""
+_NUMBERED = re.compile(r"^(.*\.(?:layers|experts))\.(\d+)\.")
+"""A tensor of a numbered layer or expert: ``model.layers.<i>.``, ``....experts.<j>.`` in every
+family's naming; the prefix names one layer's experts apart from another's."""
 
 
-def _layer_counts(names: Iterable[str]) -> dict[str, int]:
-    """How many layers each ``...layers`` prefix of these names numbers."""
+def _numbered_counts(names: Iterable[str]) -> dict[str, int]:
+    """How many layers or experts each ``...layers`` / ``...experts`` prefix of these names numbers."""
     counts: dict[str, int] = {}
-    for match in filter(None, map(_LAYER.match, names)):
+    for match in filter(None, map(_NUMBERED.match, names)):
         prefix, index = match.groups()
         counts[prefix] = max(counts.get(prefix, 0), int(index) + 1)
     return counts
@@ -104,18 +105,19 @@ class HFWeights:
         return self._file_with(name).get_tensor(name)
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
-        """Every expected tensor is stored with the expected shape, and no layer beyond the
-        expected ones is stored (headers only)."""
+        """Every expected tensor is stored with the expected shape, and no layer or expert beyond
+        the expected ones is stored (headers only)."""
         # Other stored names pass (old checkpoints keep RoPE's inv_freq buffers, tied ones may keep
-        # lm_head), but a layer past config.json's count means a config cut short: the import
-        # would drop those layers without a word.
-        described = _layer_counts(expected)
-        for prefix, count in _layer_counts(self.weight_map).items():
-            if count > described.get(prefix, 0):
+        # lm_head), but a layer or expert past config.json's count means a config cut short: the
+        # import would drop them without a word.
+        described = _numbered_counts(expected)
+        for prefix, count in _numbered_counts(self.weight_map).items():
+            if count > (expected_count := described.get(prefix, 0)):
+                kind = prefix.rsplit(".", 1)[-1]
                 raise ConversionError(
-                    f"{self.dir} holds tensors of layer {count - 1} ({prefix}.{count - 1}.*), beyond the "
-                    f"{described.get(prefix, 0)} layer(s) config.json describes: the weights and "
-                    "config.json belong to different models; download the model again"
+                    f"{self.dir} holds tensors of {prefix}.{count - 1}, beyond the {expected_count} "
+                    f"{kind} config.json describes there: the weights and config.json belong to different "
+                    "models; download the model again"
                 )
         for name, shape in expected.items():
             stored = tuple(self._file_with(name).get_slice(name).get_shape())
