@@ -94,7 +94,7 @@ class SDPAttention(MegatronModule):
         self.backends = None if backend == "auto" else [_SDPA_BACKENDS[backend]]
         # From the config, not the tensors' head counts: a compiled layer whose shapes turn dynamic
         # would pass SDPA a symbolic bool, which it refuses (a graph break).
-        self.grouped = (config.num_query_groups or config.num_attention_heads) != config.num_attention_heads
+        self.grouped = config.num_query_groups != config.num_attention_heads
         self.context = config.context_parallel_size
         if self.context > 1:
             self.context_group = parallel_state.get_context_parallel_group()
