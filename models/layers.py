@@ -92,8 +92,8 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.backends = None if backend == "auto" else [_SDPA_BACKENDS[backend]]
-        # From the config, not the tensors' head counts: a compiled layer whose shapes turn dynamic
-        # would pass SDPA a symbolic bool, which it refuses (a graph break).
+        # From the config, not the tensors' head counts: where torch.compile treats sizes as symbolic
+        # (dynamic shapes), a comparison of them is a symbolic bool, which SDPA refuses.
         self.grouped = config.num_query_groups != config.num_attention_heads
         self.context = config.context_parallel_size
         if self.context > 1:
