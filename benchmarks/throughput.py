@@ -61,7 +61,7 @@ def experiment(m: dict, args, te: bool = False):
 
 
 def _check_experiment(m: dict, args) -> None:
-    from megatron_train.config import validate_options
+    from megatron_train.config_checks import validate_options
 
     validate_options(experiment(m, args), 1)
 
@@ -107,7 +107,7 @@ def run_ours(args, m: dict, te: bool) -> None:
     import torch
 
     from megatron_train import runtime
-    from megatron_train.config import validate_options
+    from megatron_train.config_checks import validate_options
     from megatron_train.model import build_model
     from megatron_train.optim import build_optimizer
     from megatron_train.step import Stepper

@@ -9,17 +9,9 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_train.config import (
-    ExperimentConfig,
-    ModelConfig,
-    ParallelConfig,
-    ProfileConfig,
-    apply_overrides,
-    check_paths_written_out,
-    from_dict,
-    read_yaml,
-    validate_options,
-)
+from megatron_train.config import ExperimentConfig, ModelConfig, ParallelConfig, ProfileConfig
+from megatron_train.config_checks import validate_options
+from megatron_train.config_loading import apply_overrides, check_paths_written_out, from_dict, read_yaml
 from megatron_train.errors import ConfigError, ConversionError
 from megatron_train.hf.model_dir import is_hf_model_dir, read_hf_config
 from megatron_train.inputs import check_inputs

@@ -30,7 +30,8 @@ from megatron_train.checkpoint.state import (
     record_fields,
 )
 from megatron_train.checkpoint.streaming_save import save_weights
-from megatron_train.config import ModelConfig, from_dict
+from megatron_train.config import ModelConfig
+from megatron_train.config_loading import from_dict
 from megatron_train.errors import ConversionError, reason
 from megatron_train.hf.model_dir import hf_dtype, read_hf_config
 from megatron_train.hf.plan import export_plan, hf_shapes

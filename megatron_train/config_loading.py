@@ -1,0 +1,254 @@
+"""The experiment config built from a YAML file and ``key.sub=value`` overrides: unknown keys,
+wrong types and values outside a field's declared range or check are refused here, each with a
+:class:`ConfigError` naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+
+from megatron_train.config import Check, FilePath, Range
+from megatron_train.errors import ConfigError
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _type_name(tp: Any) -> str:
+    return _TYPE_NAMES.get(tp) or getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """``value`` checked against annotation ``tp`` (type, then declared range or check); ints are
+    accepted where floats are expected. Every field of the schema is checked here and only here."""
+    origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *declarations = typing.get_args(tp)
+        value = _coerce(value, base, key)
+        for rule in declarations:
+            if isinstance(rule, Range) and not rule.allows(value):
+                raise ConfigError(
+                    key, f"{value!r} is out of range", f"set {key} to a value {rule.describe()}"
+                )
+            if isinstance(rule, Check) and not rule.accepts(value):
+                raise ConfigError(key, f"{value!r} is not valid", f"set {key} to {rule.describe}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(err)
+        # An option of the value's own type that refused it says more than a type mismatch.
+        errors.sort(key=lambda err: err.problem.startswith("expected"))
+        if len(errors) > 1 and all(_is_mismatch(err) for err in errors):
+            forms = ", or ".join(_form(option) for option in options if option is not type(None))
+            raise ConfigError(key, f"{value!r} is not allowed", f"set {key} to {forms}")
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(key, f"{value!r} is not allowed", f"use one of {list(choices)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected a list, got {value!r}", "write a YAML list")
+        (item,) = typing.get_args(tp)
+        return [_coerce(x, item, key) for x in value]
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")
+    if tp is float:
+        return _finite(value, key)
+    if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        key,
+        f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}",
+        f"set {key} to {_type_name(tp)}",
+    )
+
+
+def _is_mismatch(err: ConfigError) -> bool:
+    """Whether ``err`` says the value is of the wrong kind, not that its kind's rule refused it."""
+    return err.problem.startswith("expected") or err.problem.endswith("is not allowed")
+
+
+def _form(tp: Any) -> str:
+    """What a value of annotation ``tp`` looks like, for a fix that lists a union's options."""
+    if typing.get_origin(tp) is Literal:
+        return ", ".join(repr(choice) for choice in typing.get_args(tp))
+    if typing.get_origin(tp) is Annotated:
+        return _form(typing.get_args(tp)[0])
+    return _type_name(tp)
+
+
+def _finite(value: Any, key: str) -> float:
+    if isinstance(value, str):
+        # YAML 1.1 reads exponent forms without a dot (``3e-4``) as strings.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(
+            key, f"expected a number, got {type(value).__name__} {value!r}", f"set {key} to a number"
+        )
+    if not math.isfinite(value):
+        raise ConfigError(key, f"{value!r} is not a finite number", f"set {key} to a finite number")
+    return float(value)
+
+
+def check_fields(cfg: Any, prefix: str = "") -> None:
+    """Check every field of a config built in code (not through :func:`from_dict`) against the
+    schema's declarations."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            check_fields(value, f"{prefix}{f.name}.")
+        else:
+            _coerce(value, hints[f.name], prefix + f.name)
+
+
+def _names_paths(hint: Any) -> bool:
+    return hint == FilePath or any(_names_paths(arg) for arg in typing.get_args(hint))
+
+
+def check_paths_written_out(cfg: Any, prefix: str = "") -> None:
+    """No path a user wrote starts with ``~`` or holds a ``$VARIABLE``: no shell reads a YAML
+    config, so ``~/runs`` would make a folder named ``~`` in the working directory. Checked where
+    a config is written (YAML and overrides), not where one is read back from a checkpoint."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            check_paths_written_out(value, key + ".")
+        elif _names_paths(hints[f.name]):
+            for path in value if isinstance(value, list) else [value]:
+                if isinstance(path, str) and (path.startswith("~") or re.search(r"\$\{?\w", path)):
+                    here = os.path.expanduser(os.path.expandvars(path))
+                    raise ConfigError(
+                        key,
+                        f"{path!r} holds a ~ or $VARIABLE, which no shell expands in a config",
+                        "write the path out in full" + ("" if "$" in here else f" (here: {here})"),
+                    )
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types."""
+    key = prefix.rstrip(".") or "<top level>"
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"expected a mapping, got {data!r}", "write key: value pairs")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for name, value in data.items():
+        if name not in names:
+            close = difflib.get_close_matches(str(name), names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {names}"
+            raise ConfigError(f"{prefix}{name}", "unknown key", hint)
+        kwargs[name] = _coerce(value, hints[name], prefix + name)
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b=value`` into its key path and YAML-parsed value."""
+    if "=" not in text:
+        raise ConfigError(text, "override is not of the form key.sub=value", "write key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    except RecursionError:
+        raise ConfigError(key.strip(), "the value nests lists or mappings too deeply", "flatten it") from None
+    return key.strip().split("."), value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one,
+    so a second ``model:`` section would silently replace the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = []
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor`` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.append(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """A YAML config file as plain data."""
+    path = Path(path)
+    if path.is_dir() or not path.exists():
+        problem = "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError("--config", f"{str(path)!r} {problem}", "pass an existing YAML file")
+    if not path.is_file():
+        # Every rank reads the config: a pipe (bash's <(...)) would give it to one rank only.
+        raise ConfigError(
+            "--config",
+            f"{str(path)!r} is not a regular file (a device or a pipe, which one rank alone could read)",
+            "write the config to a file and pass its path",
+        )
+    try:
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(
+            "--config", f"{path} is not valid YAML{where}: {problem}", "fix the YAML syntax"
+        ) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            "--config", f"{path} cannot be read as text ({err})", "pass a readable YAML file"
+        ) from err
+    except RecursionError:
+        # PyYAML builds nested lists and mappings recursively.
+        raise ConfigError(
+            "--config", f"{path} nests lists or mappings too deeply to be read", "flatten them"
+        ) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            "--config",
+            f"{path} holds a {type(raw).__name__}, not a mapping of sections",
+            "write section: {key: value}",
+        )
+    return raw
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``raw`` with ``key.sub=value`` overrides applied in order (changed in place)."""
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for depth, part in enumerate(keys[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                dotted = ".".join(keys[: depth + 1])
+                raise ConfigError(dotted, "is not a section", f"override a key inside {dotted}")
+            node = child
+        node[keys[-1]] = value
+    return raw
