@@ -29,9 +29,14 @@ _REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_atten
              "max_position_embeddings", "vocab_size")  # fmt: skip
 
 
-def refuse(field: str, value, why: str) -> None:
-    """Raise the one-line refusal of a config.json value."""
-    raise ConversionError(f"config.json {field}={value!r}: {why}")
+UNSUPPORTED = "megatron-train cannot import this model (README, Hugging Face models: what it can)"
+MALFORMED = "correct config.json, or download the model again"
+
+
+def refuse(field: str, value, why: str, fix: str = UNSUPPORTED) -> None:
+    """Raise the one-line refusal of a config.json value: a feature our model lacks (the default
+    fix) or a value no config.json holds (:data:`MALFORMED`)."""
+    raise ConversionError(f"config.json {field}={value!r}: {why}; {fix}")
 
 
 def flag(hf: dict, key: str, default: bool = False) -> bool:
@@ -40,14 +45,14 @@ def flag(hf: dict, key: str, default: bool = False) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        refuse(key, value, "expected true or false")
+        refuse(key, value, "expected true or false", MALFORMED)
     return value
 
 
 def _number(field: str, value) -> float:
     """A numeric field's value as a float (a refusal naming ``field`` otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        refuse(field, value, "expected a finite number")
+        refuse(field, value, "expected a finite number", MALFORMED)
     return float(value)
 
 
@@ -57,7 +62,7 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     ``rope_theta`` fills in a dict without one."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
-        refuse("rope_parameters", params, "expected a mapping of RoPE parameters")
+        refuse("rope_parameters", params, "expected a mapping of RoPE parameters", MALFORMED)
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if _number("partial_rotary_factor", factor) != 1.0:
         refuse("partial_rotary_factor", factor, "RoPE over part of each head is not supported")
@@ -95,7 +100,7 @@ def common_options(hf: dict, family: str) -> dict:
         if rope_type != "llama3":
             refuse("rope_scaling", scaling, "only Llama-3.1 ('llama3') RoPE scaling is supported")
         if "factor" not in scaling:
-            refuse("rope_scaling", scaling, "Llama-3.1 RoPE scaling needs its 'factor'")
+            refuse("rope_scaling", scaling, "Llama-3.1 RoPE scaling needs its 'factor'", MALFORMED)
         scaled["rope_scaling_factor"] = _number("rope_scaling.factor", scaling["factor"])
         for key, fixed in LLAMA3_ROPE_FIXED.items():
             if _number(f"rope_scaling.{key}", scaling.get(key, fixed)) != fixed:
@@ -109,7 +114,8 @@ def common_options(hf: dict, family: str) -> dict:
         "hidden_size": hf["hidden_size"],
         "ffn_hidden_size": hf["intermediate_size"],
         "num_attention_heads": heads,
-        "num_query_groups": hf.get("num_key_value_heads") or heads,
+        # Absent or null means one group per head, as transformers reads it; 0 is refused below.
+        "num_query_groups": heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
         "kv_channels": hf.get("head_dim"),
         "max_position_embeddings": hf["max_position_embeddings"],
         "vocab_size": hf["vocab_size"],

@@ -1262,6 +1262,22 @@ CASES = [
         "config.json intermediate_size: 0 is out of range",
         _hf_copy(_edit_hf_config(lambda c: c.update(intermediate_size=0))),
     ),
+    # 0 key-value heads read as "absent" (one group per head) and failed on the weights' shapes
+    Case(
+        "import-hf-zero-kv-heads",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-zero-kv-heads/hf", "--out", "WS/cases/o"),
+        "config.json num_key_value_heads: 0 is out of range",
+        _hf_copy(_edit_hf_config(lambda c: c.update(num_key_value_heads=0))),
+    ),
+    # older Hugging Face repositories hold pickled weights only; the error says how to re-save them
+    Case(
+        "import-hf-bin-weights-only",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-bin-weights-only/hf", "--out", "WS/cases/o"),
+        "pytorch_model*.bin only",
+        _hf_copy(lambda hf: (hf / "model.safetensors").rename(hf / "pytorch_model.bin")),
+    ),
     # a config.json cut short: the import dropped the layers it no longer named
     Case(
         "import-hf-fewer-layers-than-stored",

@@ -70,10 +70,17 @@ class HFWeights:
             weight_map = _read_index(index)
         else:
             shards = sorted(self.dir.glob("*.safetensors"))
+            if not shards and any(self.dir.glob("pytorch_model*.bin")):
+                # Unpickling a .bin can run code, so only safetensors are read.
+                raise ConversionError(
+                    f"{self.dir} holds its weights as pytorch_model*.bin only, which are not read "
+                    "(loading them unpickles); save them as safetensors first: "
+                    "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) in transformers"
+                )
             if len(shards) != 1:
                 raise ConversionError(
                     f"{self.dir} has {len(shards)} .safetensors files and no {INDEX}; "
-                    "expected model.safetensors or an index naming the shards"
+                    "expected model.safetensors or an index naming the shards: download the model again"
                 )
             with _open_shard(shards[0]) as f:
                 weight_map = {name: shards[0].name for name in f.keys()}
