@@ -165,11 +165,15 @@ def common_fields(m: ModelConfig, special_tokens: dict[str, int | None]) -> dict
 
 def refuse_untranslatable_moe(m: ModelConfig, architecture: str) -> None:
     """Refuse exporting router options ``architecture`` has no field for (ConversionError)."""
+    lacks = None
     if m.moe_router_score_function != "softmax":
-        raise ConversionError(f"{architecture} routes with softmax; this model uses sigmoid scores")
-    if m.moe_router_expert_bias:
-        raise ConversionError(f"{architecture} has no expert bias (model.moe_router_expert_bias)")
-    if m.moe_shared_expert_ffn_hidden_size:
+        lacks = "routes with softmax; this model uses sigmoid scores (model.moe_router_score_function)"
+    elif m.moe_router_expert_bias:
+        lacks = "has no expert bias (model.moe_router_expert_bias)"
+    elif m.moe_shared_expert_ffn_hidden_size:
+        lacks = "has no shared expert (model.moe_shared_expert_ffn_hidden_size)"
+    if lacks:
         raise ConversionError(
-            f"{architecture} has no shared expert (model.moe_shared_expert_ffn_hidden_size)"
+            f"{architecture} {lacks}: transformers would compute another model, so it is not exported; "
+            "keep it as a megatron-train checkpoint (tools/generate.py samples from it)"
         )
