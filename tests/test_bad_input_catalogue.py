@@ -1275,7 +1275,7 @@ CASES = [
         "import-hf-bin-weights-only",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-bin-weights-only/hf", "--out", "WS/cases/o"),
-        "pytorch_model*.bin only",
+        "pytorch_model*.bin only, which are not read",
         _hf_copy(lambda hf: (hf / "model.safetensors").rename(hf / "pytorch_model.bin")),
     ),
     # a config.json cut short: the import dropped the layers it no longer named
@@ -1535,8 +1535,15 @@ CASES = [
         "init-from-a-hugging-face-config-without-weights",
         "train",
         _train(FRESH, "checkpoint.init_from=WS/cases/init-from-a-hugging-face-config-without-weights/hf"),
-        "holds a Hugging Face config.json but no .safetensors weights",
+        "holds a Hugging Face config.json and no checkpoint, but it holds no .safetensors weights; download",
         _hf_copy(lambda hf: (hf / "model.safetensors").unlink()),
+    ),
+    Case(
+        "init-from-a-hugging-face-model-with-pickled-weights",
+        "train",
+        _train(FRESH, "checkpoint.init_from=WS/cases/init-from-a-hugging-face-model-with-pickled-weights/hf"),
+        "its weights are pytorch_model*.bin only, which are not read",
+        _hf_copy(lambda hf: (hf / "model.safetensors").rename(hf / "pytorch_model.bin")),
     ),
     Case(
         "inspect-common-garbage",

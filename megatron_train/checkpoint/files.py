@@ -21,7 +21,7 @@ import yaml
 
 from megatron_train.config import SAVE_DIR_IN_RUN
 from megatron_train.errors import CheckpointError, ConfigError
-from megatron_train.hf.model_dir import is_hf_model_dir
+from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -206,7 +206,7 @@ def locate(path: Path) -> Path:
         )
     if (path / "config.json").is_file():
         raise CheckpointError(
-            f"{str(path)!r} holds a Hugging Face config.json but no .safetensors weights, and no checkpoint"
+            f"{str(path)!r} holds a Hugging Face config.json and no checkpoint, but {missing_weights(path)}"
         )
     raise CheckpointError(f"{str(path)!r} holds no checkpoint: {_WANTED}")
 

@@ -18,6 +18,18 @@ def is_hf_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def missing_weights(path: Path) -> str:
+    """Why a model directory without safetensors cannot be read, and the fix: only safetensors
+    are read, since unpickling a ``pytorch_model*.bin`` can run code."""
+    if any(Path(path).glob("pytorch_model*.bin")):
+        return (
+            "its weights are pytorch_model*.bin only, which are not read (loading them unpickles); "
+            "save them as safetensors first: AutoModelForCausalLM.from_pretrained(dir)"
+            ".save_pretrained(new_dir) in transformers"
+        )
+    return "it holds no .safetensors weights; download them (model.safetensors or its shards and index)"
+
+
 def read_hf_config(hf_dir: Path) -> dict:
     """The parsed ``config.json`` of a Hugging Face model directory."""
     path = Path(hf_dir) / "config.json"

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_train.errors import ConversionError, reason
+from megatron_train.hf.model_dir import missing_weights
 
 INDEX = "model.safetensors.index.json"
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -70,13 +71,8 @@ class HFWeights:
             weight_map = _read_index(index)
         else:
             shards = sorted(self.dir.glob("*.safetensors"))
-            if not shards and any(self.dir.glob("pytorch_model*.bin")):
-                # Unpickling a .bin can run code, so only safetensors are read.
-                raise ConversionError(
-                    f"{self.dir} holds its weights as pytorch_model*.bin only, which are not read "
-                    "(loading them unpickles); save them as safetensors first: "
-                    "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir) in transformers"
-                )
+            if not shards:
+                raise ConversionError(f"{self.dir}: {missing_weights(self.dir)}")
             if len(shards) != 1:
                 raise ConversionError(
                     f"{self.dir} has {len(shards)} .safetensors files and no {INDEX}; "
