@@ -114,7 +114,7 @@ def common_options(hf: dict, family: str) -> dict:
         "hidden_size": hf["hidden_size"],
         "ffn_hidden_size": hf["intermediate_size"],
         "num_attention_heads": heads,
-        # Absent or null means one group per head, as transformers reads it; 0 is refused below.
+        # Absent or null means one group per head, as transformers reads it; 0 meets the range check.
         "num_query_groups": heads if hf.get("num_key_value_heads") is None else hf["num_key_value_heads"],
         "kv_channels": hf.get("head_dim"),
         "max_position_embeddings": hf["max_position_embeddings"],
