@@ -34,7 +34,6 @@ tar -xf - -C wheelhouse``) and runs this script.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -45,6 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_train import cli  # noqa: E402
+from megatron_train.errors import ConfigError  # noqa: E402
+from megatron_train.outputs import check_output_dir  # noqa: E402
+
 MIN_STEP_S = 45
 """A step is not started with less time than this left: it would only spend it starting up."""
 TAIL_LINES = 12
@@ -155,11 +160,9 @@ def step_outputs(log: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="folder for the logs and summary.txt (made if missing)")
-    parser.add_argument("--budget-s", type=float, default=540, help="seconds for the whole plan")
+    parser.add_argument("--budget-s", type=cli.positive_float, default=540, help="seconds for the whole plan")
     parser.add_argument("--cpu", action="store_true", help="dry run at the tiny shape on this machine")
     parser.add_argument(
         "--wheelhouse", type=Path, default=ROOT / "wheelhouse", help="the offline install kit (if there)"
@@ -174,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None:
         wanted, names = args.steps.split(","), [step.name for step in steps]
         if unknown := [name for name in wanted if name not in names]:
-            print(
-                f"error: --steps: {unknown[0]!r} is not a step of this plan ({', '.join(names)})",
-                file=sys.stderr,
+            cli.report(
+                f"--steps: {unknown[0]!r} is not a step of this plan. Fix: name steps of {', '.join(names)}"
             )
-            return 2
+            return cli.EXIT_BAD_INPUT
         steps = [step for step in steps if step.name in wanted]
+    try:
+        check_output_dir("--out", out)
+    except ConfigError as err:
+        cli.report(err)
+        return cli.EXIT_BAD_INPUT
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     rows = []

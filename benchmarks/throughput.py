@@ -10,12 +10,15 @@ precision (fp32 master weights and gradient reduction, bf16 compute) and trained
 with AdamW. Each framework runs in its own process so memory peaks do not mix. One table prints
 tokens/s, TFLOP/s, MFU, peak memory and parameter count; every framework's TFLOP/s uses the
 training log's count (``megatron_train.metrics.flops_per_token``: causal attention counted half, as
-Megatron-LM does).
+Megatron-LM does). A framework that cannot run in this command (torchtitan and the Transformer
+Engine spec need CUDA and their package) gets a row saying why; when none of those asked for can,
+or ``--device cuda`` finds no GPU, it stops with one error line before anything runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -394,10 +397,6 @@ def _titan_release() -> tuple[str, tuple[int, int]]:
 def run_titan(args, m: dict) -> None:
     import re
 
-    import torch
-
-    if not torch.cuda.is_available() or args.tiny:
-        raise SystemExit("torchtitan runs its Llama-3 1B on CUDA only")
     release, version = _titan_release()
     scratch = Path(tempfile.mkdtemp(prefix="titan-bench-"))
     tok_dir, data_dir = _titan_inputs(scratch)
@@ -445,6 +444,41 @@ def run_titan(args, m: dict) -> None:
     note = f"torchtitan {release} Trainer, {how}, {attention} attention"
     note += (", torch.compile" if args.compile else "") + "; memory is its max reserved"
     _report("torchtitan", [tokens / t for t in tps], args, m, mem, params, note)
+
+
+def cannot_run_here(name: str, args) -> str | None:
+    """Why ``name`` cannot run in this command, where that is known before its process starts."""
+    if name == "torchtitan":
+        if args.device == "cpu":
+            return "torchtitan runs on CUDA only"
+        if args.tiny:
+            return "torchtitan runs the 1B model only (not --tiny)"
+        if importlib.util.find_spec("torchtitan") is None:
+            return "torchtitan is not installed"
+    elif name == "ours-te":
+        if args.device == "cpu":
+            return "Transformer Engine runs on CUDA only"
+        if importlib.util.find_spec("transformer_engine") is None:
+            return "Transformer Engine is not installed"
+    return None
+
+
+def _check_here(args) -> None:
+    """What this machine and file system must offer before any framework's process starts."""
+    import torch
+
+    from megatron_train.errors import ConfigError
+    from megatron_train.outputs import check_output_dir
+
+    # A CPU build of torch would otherwise run the rows on the CPU and print them as the GPU's.
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "--device", "no CUDA device on this machine",
+            "run it on a GPU node, or dry-run it here with --device cpu --tiny",
+        )  # fmt: skip
+    for key in ("--profile", "--log-dir"):
+        if (path := getattr(args, key[2:].replace("-", "_"))) is not None:
+            check_output_dir(key, Path(path))
 
 
 def worker(args) -> None:
@@ -532,9 +566,17 @@ def main() -> int:
     if unknown := [name for name in names if name not in FRAMEWORKS]:
         parser.error(f"--frameworks: unknown framework {unknown[0]!r}; choose from {', '.join(FRAMEWORKS)}")
     m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
-    # A bad --set or shape is one line here, not a traceback in each framework's process.
-    if code := cli.run(lambda: _check_experiment(m, args)):
+    # A bad --set, shape or output path is one line here, not a traceback in each framework's process.
+    if code := cli.run(lambda: (_check_here(args), _check_experiment(m, args))):
         return code
+    skipped = {name: reason for name in names if (reason := cannot_run_here(name, args))}
+    if len(skipped) == len(names):
+        cli.report(
+            "--frameworks: none of them runs here ("
+            + "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+            + "). Fix: add ours or hf, or run it on a GPU node that has what is missing"
+        )
+        return cli.EXIT_BAD_INPUT
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -543,6 +585,10 @@ def main() -> int:
     results: dict[str, dict | str] = {}
     forwarded = sys.argv[1:]
     for name in names:
+        if name in skipped:
+            results[name] = f"did not run: {skipped[name]}"
+            print(f"{name}: {results[name]}", flush=True)
+            continue
         proc = subprocess.run([sys.executable, __file__, "--worker", name, *forwarded], env=env,
                               capture_output=True, text=True)  # fmt: skip
         if args.log_dir:

@@ -222,14 +222,28 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
             ["gpu_session.py", "--cpu", "--out", "unmade", "--steps", "profile,bogus"],
             "--steps: 'bogus' is not",
         ),
+        (["gpu_session.py", "--cpu", "--out", "unmade", "--budget-s", "0"], "argument --budget-s: '0'"),
+        (["gpu_session.py", "--cpu", "--out", "README.md/logs"], "README.md is a file"),
+        (["throughput.py", "--device", "cpu", "--tiny", "--profile", "README.md"], "'--profile'"),
+        (
+            ["throughput.py", "--device", "cpu", "--tiny", "--frameworks", "ours-te,torchtitan"],
+            "none of them runs here (ours-te: Transformer Engine runs on CUDA only; torchtitan:",
+        ),
+        (["throughput.py", "--tiny", "--frameworks", "hf"], "'--device': no CUDA device"),
         (["convert_memory.py", "--workdir", "/nonexistent"], "--workdir: no folder"),
         (["preprocess_throughput.py", "--input", "missing.jsonl", "--tokenizer", "x"], "--input: no file"),
     ],
 )
 def test_a_bad_benchmark_argument_is_one_error_line_before_anything_runs(argv, says):
     script, *args = argv
+    # No GPU, as on the dev machine: --device cuda is then a bad input.
     result = subprocess.run(
-        [sys.executable, f"benchmarks/{script}", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.splitlines()
