@@ -84,6 +84,18 @@ def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--case":
         print(json.dumps(probe(sys.argv[2] == "shared")))
         return 0
+    # Read by hand: megatron_train's parser would import the package here, whose CUDNN_PATH the
+    # ``unshared`` case would then inherit.
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
+    if sys.argv[1:]:
+        print(
+            f"error: unexpected argument {sys.argv[1]!r}: this probe takes none. "
+            "Fix: run python benchmarks/cudnn_libraries.py",
+            file=sys.stderr,
+        )
+        return 2
     code = 0
     for case in ("shared", "unshared"):
         proc = subprocess.run(

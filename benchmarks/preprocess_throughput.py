@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import filecmp
-import json
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from megatron_train import cli  # noqa: E402
+from megatron_train.text_sources import iter_texts  # noqa: E402
 
 _MEGATRON_LM_TOKENIZER = {"sentencepiece": "SentencePieceTokenizer", "huggingface": "HuggingFaceTokenizer"}
 
@@ -68,12 +68,13 @@ def timed(command: list[str], cwd: Path) -> tuple[float, int]:
 # SentencePiece's own call on whole texts). Its own process, as a Hugging Face tokenizer's thread
 # count is fixed once per process.
 _TOKENIZER_ALONE = """
-import json, sys, time
+import sys, time
+from pathlib import Path
 import sentencepiece
 from megatron_train.text_encoding import text_encoder
+from megatron_train.text_sources import iter_texts
 path, key, kind, tokenizer, workers, whole = sys.argv[1:]
-with open(path, encoding="utf-8") as lines:
-    texts = [t for line in lines if line.strip() and (t := json.loads(line).get(key))]
+texts = list(iter_texts([Path(path)], key))
 if whole == "whole":
     processor = sentencepiece.SentencePieceProcessor(model_file=tokenizer)
     encode = lambda batch: processor.encode(batch, out_type=int, num_threads=int(workers))
@@ -94,9 +95,10 @@ def tokenizer_alone(args: argparse.Namespace, workers: int, whole: bool = False)
     return float(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
 
 
-def count_documents(path: Path, key: str) -> int:
-    with open(path, encoding="utf-8") as lines:
-        return sum(1 for line in lines if line.strip() and json.loads(line).get(key))
+def count_documents(path: Path, key: str, into: list[int]) -> None:
+    """Appends the number of ``path``'s non-empty texts to ``into``; a file our tool would refuse is
+    a ConfigError, as the tool reports it."""
+    into.append(sum(1 for _ in iter_texts([path], key)))
 
 
 def ours_command(args: argparse.Namespace, workers: int, prefix: Path) -> list[str]:
@@ -144,9 +146,14 @@ def main() -> int:
             f"--megatron-lm: {str(args.megatron_lm)!r} is not a Megatron-LM checkout "
             "(no tools/preprocess_data.py)"
         )
+    if args.megatron_lm and not args.input.name.endswith((".jsonl", ".json")):
+        parser.error(f"--input: Megatron-LM's tool reads plain JSON lines, not {args.input.name!r}")
+    counted: list[int] = []
+    if code := cli.run(lambda: count_documents(args.input, args.text_key, counted)):
+        return code
+    docs = counted[0]
     # Megatron-LM's tool runs from its checkout.
     args.input, args.tokenizer = args.input.resolve(), str(Path(args.tokenizer).resolve())
-    docs = count_documents(args.input, args.text_key)
     print(f"{args.input}: {docs:,} documents, {args.input.stat().st_size / 1e6:.1f} MB; "
           f"{args.tokenizer_type} tokenizer {args.tokenizer}")  # fmt: skip
     print(f"{'workers':>7} {'tool':12} {'seconds':>8} {'docs/s':>8} {'peak MiB':>9} {'vs Megatron-LM':>15}")

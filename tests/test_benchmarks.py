@@ -232,6 +232,11 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
         (["throughput.py", "--tiny", "--frameworks", "hf"], "'--device': no CUDA device"),
         (["convert_memory.py", "--workdir", "/nonexistent"], "--workdir: no folder"),
         (["preprocess_throughput.py", "--input", "missing.jsonl", "--tokenizer", "x"], "--input: no file"),
+        (
+            ["preprocess_throughput.py", "--input", "README.md", "--tokenizer", "README.md"],
+            "'--input': README.md:1 is not JSON",
+        ),
+        (["cudnn_libraries.py", "--case"], "unexpected argument '--case'"),
     ],
 )
 def test_a_bad_benchmark_argument_is_one_error_line_before_anything_runs(argv, says):
