@@ -316,6 +316,11 @@ WANDB_UNREACHABLE = {
     "WANDB_BASE_URL": "http://127.0.0.1:9",
     "WANDB_INIT_TIMEOUT": "1",
 }
+# The server named: not the one an earlier case's settings left in wandb (its default, 90 s away).
+UNREACHABLE_SAYS = (
+    "'logging.wandb': wandb could not start its online run: Timed out while retrying: "
+    'Post "http://127.0.0.1:9/'
+)
 
 CASES = [
     # train: the config file itself
@@ -816,14 +821,14 @@ CASES = [
         "wandb-server-out-of-reach-fresh-run",
         "train",
         _train(FRESH, "logging.wandb=true", "logging.wandb_mode=online"),
-        "'logging.wandb': wandb could not start its online run",
+        UNREACHABLE_SAYS,
         env=WANDB_UNREACHABLE,
     ),
     Case(
         "wandb-server-out-of-reach-existing-run",
         "train",
         _train("train.steps=8", "logging.wandb=true", "logging.wandb_mode=online"),
-        "'logging.wandb': wandb could not start its online run",
+        UNREACHABLE_SAYS,
         env=WANDB_UNREACHABLE,
     ),
     # train: checkpoints to resume from (the existing run must stay as it was)
@@ -1984,6 +1989,10 @@ def test_bad_input_is_one_line_and_touches_nothing(ws, corpus, case, capfd, monk
         else:
             monkeypatch.setenv(name, value)
     monkeypatch.chdir(ws)
+    # wandb keeps the settings its first login read from the environment (server, init timeout)
+    # for the rest of the process: each case starts from the environment, as a new process would.
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
     if case.setup:
         case.setup(ws, case.id)
     before = _hashes(ws, corpus["prefix"].parent)
