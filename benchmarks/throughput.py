@@ -565,6 +565,8 @@ def main() -> int:
     names = args.frameworks.split(",")
     if unknown := [name for name in names if name not in FRAMEWORKS]:
         parser.error(f"--frameworks: unknown framework {unknown[0]!r}; choose from {', '.join(FRAMEWORKS)}")
+    if twice := [name for i, name in enumerate(names) if name in names[:i]]:
+        parser.error(f"--frameworks: {twice[0]!r} is given twice (its table has one row each)")
     m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
     # A bad --set, shape or output path is one line here, not a traceback in each framework's process.
     if code := cli.run(lambda: (_check_here(args), _check_experiment(m, args))):

@@ -209,6 +209,7 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     [
         (["throughput.py", "--seq", "-5"], "argument --seq: '-5' is not a positive integer"),
         (["throughput.py", "--frameworks", "ours,megatron"], "unknown framework 'megatron'"),
+        (["throughput.py", "--frameworks", "ours,hf,ours"], "'ours' is given twice"),
         (
             ["throughput.py", "--tiny", "--device", "cpu", "--set", "model.hidden_size=0"],
             "'model.hidden_size'",
