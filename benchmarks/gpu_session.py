@@ -47,7 +47,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_train import cli  # noqa: E402
-from megatron_train.errors import ConfigError  # noqa: E402
 from megatron_train.outputs import check_output_dir  # noqa: E402
 
 MIN_STEP_S = 45
@@ -182,11 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return cli.EXIT_BAD_INPUT
         steps = [step for step in steps if step.name in wanted]
-    try:
-        check_output_dir("--out", out)
-    except ConfigError as err:
-        cli.report(err)
-        return cli.EXIT_BAD_INPUT
+    if code := cli.run(lambda: check_output_dir("--out", out)):
+        return code
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
     rows = []

@@ -95,10 +95,10 @@ def tokenizer_alone(args: argparse.Namespace, workers: int, whole: bool = False)
     return float(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout)
 
 
-def count_documents(path: Path, key: str, into: list[int]) -> None:
-    """Appends the number of ``path``'s non-empty texts to ``into``; a file our tool would refuse is
-    a ConfigError, as the tool reports it."""
-    into.append(sum(1 for _ in iter_texts([path], key)))
+def count_documents(path: Path, key: str) -> int:
+    """The number of ``path``'s non-empty texts; a file our tool would refuse is a ConfigError, as
+    the tool reports it."""
+    return sum(1 for _ in iter_texts([path], key))
 
 
 def ours_command(args: argparse.Namespace, workers: int, prefix: Path) -> list[str]:
@@ -149,7 +149,7 @@ def main() -> int:
     if args.megatron_lm and not args.input.name.endswith((".jsonl", ".json")):
         parser.error(f"--input: Megatron-LM's tool reads plain JSON lines, not {args.input.name!r}")
     counted: list[int] = []
-    if code := cli.run(lambda: count_documents(args.input, args.text_key, counted)):
+    if code := cli.run(lambda: counted.append(count_documents(args.input, args.text_key))):
         return code
     docs = counted[0]
     # Megatron-LM's tool runs from its checkout.

@@ -476,8 +476,8 @@ def _check_here(args) -> None:
             "--device", "no CUDA device on this machine",
             "run it on a GPU node, or dry-run it here with --device cpu --tiny",
         )  # fmt: skip
-    for key in ("--profile", "--log-dir"):
-        if (path := getattr(args, key[2:].replace("-", "_"))) is not None:
+    for key, path in (("--profile", args.profile), ("--log-dir", args.log_dir)):
+        if path is not None:
             check_output_dir(key, Path(path))
 
 
