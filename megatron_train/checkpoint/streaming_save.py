@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from megatron_train.errors import BAD_INPUT
 from megatron_train.megatron_compat import write_checkpoint_extras
 from megatron_train.models.family import Index, Tensor
 
@@ -80,5 +82,13 @@ def save_weights(
     with warnings.catch_warnings():
         # torch warns that it "assumes" a single process even when no_dist=True says so.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        try:
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as err:
+            # ``produce`` runs inside DCP's write, which wraps what it raises: a bad input found
+            # only there (a damaged tensor) is reported as itself.
+            bad = [exc for exc, _ in err.failures.values() if isinstance(exc, BAD_INPUT)]
+            if bad:
+                raise bad[0] from None
+            raise
     write_checkpoint_extras(common, ckpt_dir)

@@ -105,7 +105,15 @@ class HFWeights:
 
     def get(self, name: str) -> torch.Tensor:
         """One tensor, read from its shard."""
-        return self._file_with(name).get_tensor(name)
+        tensor = self._file_with(name).get_tensor(name)
+        # Weights that are not finite make every loss NaN from the first step on; the file is
+        # damaged (or the model diverged before it was saved), and training from it cannot help.
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ConversionError(
+                f"tensor {name!r} in {self.dir} holds NaN or infinite values: the file is damaged; "
+                "download the model again"
+            )
+        return tensor
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every expected tensor is stored with the expected shape, and no layer or expert beyond
