@@ -993,6 +993,13 @@ CASES = [
         _copy_ckpt(_same_size_garbage("common.pt")),
     ),
     Case(
+        "megatron-metadata-garbage",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/megatron-metadata-garbage/ckpt/iter_0000004"),
+        "metadata.json is unreadable",
+        _copy_ckpt(_same_size_garbage("metadata.json")),
+    ),
+    Case(
         "tensor-metadata-garbage",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/tensor-metadata-garbage/ckpt/iter_0000004"),

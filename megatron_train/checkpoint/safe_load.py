@@ -60,6 +60,17 @@ def _restricted_pickle_module() -> types.ModuleType:
     return module
 
 
+def _weights_only_cause(err: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, without the advice around it to load with
+    ``weights_only=False``, which is what this module exists not to do."""
+    text = str(err)
+    marker = "WeightsUnpickler error:"
+    if marker not in text:
+        return text
+    cause = " ".join(text.split(marker, 1)[1].split("Check the documentation of torch.load", 1)[0].split())
+    return f"the weights-only unpickler refused it: {cause}"
+
+
 @contextlib.contextmanager
 def safe_unpickling() -> Iterator[None]:
     """Force weights-only ``torch.load`` and restricted metadata unpickling for the block."""
@@ -68,7 +79,10 @@ def safe_unpickling() -> Iterator[None]:
     @functools.wraps(original_load)
     def weights_only_load(*args, **kwargs):
         kwargs["weights_only"] = True
-        return original_load(*args, **kwargs)
+        try:
+            return original_load(*args, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointError(_weights_only_cause(err)) from err
 
     torch.load, dcp_filesystem.pickle = weights_only_load, _restricted_pickle_module()
     try:

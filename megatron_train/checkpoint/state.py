@@ -20,7 +20,10 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    verify_checkpoint_and_load_strategy,
+)
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
 from megatron_train import __version__, megatron_compat
@@ -214,16 +217,21 @@ def check_within_steps(path: Path, iteration: int, steps: int) -> None:
 
 def _corrupt(what: Path, err: BaseException) -> CheckpointError:
     return CheckpointError(
-        f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt; resume from another one"
+        f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt; use another checkpoint"
     )
 
 
 def read_common(path: Path) -> dict:
     """A checkpoint's common state (progress, layout, config, scheduler, version), loaded safely;
     CheckpointError naming the file when it cannot be read or lacks what every checkpoint holds."""
+    # load_common_state_dict's two reads, apart, so that the error names the file that failed.
+    try:
+        _, common_strategy = verify_checkpoint_and_load_strategy(str(path))
+    except Exception as err:  # megatron's metadata.json, read by json and checked by megatron
+        raise _corrupt(Path(path) / "metadata.json", err) from err
     try:
         with safe_unpickling():
-            common = dist_checkpointing.load_common_state_dict(str(path))
+            common = common_strategy.load_common(str(path))
     except Exception as err:  # torch.load and megatron raise many kinds on a damaged file
         raise _corrupt(Path(path) / "common.pt", err) from err
     config = common.get("config") if isinstance(common, dict) else None
