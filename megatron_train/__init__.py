@@ -14,6 +14,10 @@ from megatron_train.cudnn_sharing import share_torch_cudnn  # noqa: E402
 
 share_torch_cudnn()
 
+from megatron_train import optional_imports  # noqa: E402
+
+optional_imports.install()
+
 
 def _map_checkout_families() -> None:
     """The model families are the checkout's top-level models/ folder, installed as

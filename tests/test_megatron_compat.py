@@ -8,6 +8,7 @@ import collections
 import inspect
 import re
 import textwrap
+from pathlib import Path
 
 from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -334,4 +335,43 @@ def test_rotary_embedding_compiles_into_the_same_gradients():
     assert "fused_apply_rotary_pos_emb(t, freqs" in dispatch
     assert "transformer_engine" in inspect.getsource(rope_utils).split("fused_apply_rotary_pos_emb")[0]
     result = run_tool("-c", COMPILED_ROPE_SCRIPT, check=False)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+WANDB_SKIPPED_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    import megatron_train.model
+    import megatron_train.train
+    from megatron.core import timers
+    from megatron.core.inference.contexts import dynamic_context
+    from megatron.core.inference.engines import dynamic_engine
+
+    assert "wandb" not in sys.modules, "a training process imported wandb"
+    assert timers.wandb is dynamic_context.wandb is dynamic_engine.wandb is None
+    import wandb
+
+    assert callable(wandb.init)
+    print("OK")
+    """
+)
+
+
+def test_megatron_cores_optional_wandb_imports_are_skipped_and_wandb_still_imports():
+    """megatron-core's modules that try ``import wandb`` as they load are the ones
+    optional_imports names; a training process loads them without wandb, which our metrics can
+    still import (logging.wandb)."""
+    import megatron.core
+
+    from megatron_train import optional_imports
+
+    core = Path(megatron.core.__file__).parent
+    trying = {
+        "megatron.core." + ".".join(path.relative_to(core).with_suffix("").parts)
+        for path in core.rglob("*.py")
+        if re.search(r"^try:\n\s+import wandb\b", path.read_text(errors="replace"), re.M)
+    }
+    assert trying == optional_imports._WANDB_OPTIONAL_IN
+    result = run_tool("-c", WANDB_SKIPPED_SCRIPT, check=False)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
