@@ -8,10 +8,11 @@ On the node: the checkout, and wheelhouse/ from ``tools/build_wheelhouse.sh --py
 first unless megatron-core already imports; the freeze is the lent GPU image's ``pip list``).
 A lent GPU comes with minutes, not hours, and each call that starts a machine costs one of them:
 this script runs the whole plan in one command, the most wanted first. Each step is a real
-command line (the offline install; benchmarks/throughput.py eager, with the rotary embedding
-compiled, with our compiled loss, with every option that helped and four micro-batches
-(torchtitan beside it at that micro-batch), that last profiled, compiled, and without gradient
-accumulation fusion; benchmarks/gpu_smoke.py; benchmarks/cross_entropy_memory.py); it gets at
+command line (the offline install; benchmarks/throughput.py eager, with every option that helped
+and four micro-batches (torchtitan beside it at that micro-batch), that compiled (torchtitan
+compiled beside it) and again with gradient accumulation fusion, the eager best profiled, the
+compiled defaults, with the rotary embedding compiled, with our compiled loss;
+benchmarks/gpu_smoke.py; benchmarks/cross_entropy_memory.py); it gets at
 most its own cap and what is left of the budget, and a step that fails or runs out of
 time does not stop the next. Every step's output goes to ``OUT/steps.log`` under a header line of
 its own, the profiler's table and trace to ``OUT/profile/``, and a table of what ran, how long and
@@ -87,35 +88,40 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
     # Beside TE, transformers' row too (it failed there once); torchtitan's is measured elsewhere.
     frameworks = "ours" if cpu else "ours,hf" if te else "ours,hf,torchtitan"
     steps.append(Step("throughput_eager", 300, [*bench, "--frameworks", frameworks, *tiny]))
-    # The local spec with its rotary embedding compiled (model.rope_fusion, off by default).
-    rope = ["--frameworks", "ours", "--set", "model.rope_fusion=true", *tiny]
-    steps.append(Step("rope_compiled", 150, [*bench, *rope]))
-    # The local spec with our compiled loss (model.cross_entropy_fusion; megatron-core's keeps an
-    # fp32 copy of the logits): its own row, since it too may become a default.
-    fused_loss = ["--frameworks", "ours", "--set", "model.cross_entropy_fusion=true", *tiny]
-    steps.append(Step("fused_loss", 150, [*bench, *fused_loss]))
     # The local spec with every option that made it faster somewhere, and four micro-batches of
     # the same 32k tokens: how close the local path comes to 50 % MFU (cuDNN attention is CUDA's).
     # torchtitan at the same micro-batch beside it, so the ratio to it compares like with like.
     options = ["--set", "model.rope_fusion=true", "--set", "model.cross_entropy_fusion=true"]
     options += [] if cpu else ["--set", "model.attention_backend=cudnn"]
     larger = ["--micro-batch", "4", "--grad-accum", "2"]
-    best = ["--frameworks", "ours" if cpu or te else "ours,torchtitan", *options, *larger, *tiny]
-    steps.append(Step("all_options", 210, [*bench, *best]))
+    with_titan = "ours" if cpu or te else "ours,torchtitan"
+    steps.append(Step("all_options", 210, [*bench, "--frameworks", with_titan, *options, *larger, *tiny]))
     if te:
         fused_loss = ["--set", "model.cross_entropy_fusion=true", *larger, *tiny]
         steps.append(Step("te_all_options", 150, [*bench, "--frameworks", "ours-te", *fused_loss]))
     else:
-        # Where that step's time goes: the operators by GPU time and how busy the GPU is.
+        # The same compiled, beside torchtitan compiled: the local path's best against its best.
+        # (The compiled layers hold RoPE and the loss; cuDNN attention stays an option.)
+        cudnn = [] if cpu else ["--set", "model.attention_backend=cudnn"]
+        best = ["--frameworks", with_titan, "--compile", *cudnn, *larger, *tiny]
+        steps.append(Step("compiled_all_options", 300, [*bench, *best]))
+        # And with the weight-gradient GEMMs accumulating into main_grad, the linears then outside
+        # the compiled graphs (model.compile alone leaves the fusion off): which is faster here.
+        fused = ["--frameworks", "ours", "--compile", "--set", "model.gradient_accumulation_fusion=true"]
+        steps.append(Step("compiled_wgrad_fused", 150, [*bench, *fused, *cudnn, *larger, *tiny]))
+        # Where the eager best's time goes: the operators by GPU time and how busy the GPU is.
         profiled = ["--frameworks", "ours", *options, *larger, *shape, "--steps", "2", "--warmup", "3"]
         steps.append(Step("profile", 150, [*bench, *profiled, "--profile", str(out / "profile")]))
         # TE fuses its own kernels; the compiled rows of the local spec are the other sessions'.
         compiled = ["--frameworks", "ours" if cpu else "ours,torchtitan", "--compile"]
         steps.append(Step("throughput_compiled", 300, [*bench, *compiled, *tiny]))
-    # The local spec without the weight-gradient GEMMs accumulating into main_grad (on by default):
-    # +1.3 % on an H200; again on the card at hand.
-    unfused = ["--frameworks", "ours", "--set", "model.gradient_accumulation_fusion=false", *tiny]
-    steps.append(Step("wgrad_unfused", 150, [*bench, *unfused]))
+    # The local spec with its rotary embedding compiled (model.rope_fusion, off by default), and
+    # with our compiled loss (model.cross_entropy_fusion; megatron-core's keeps an fp32 copy of
+    # the logits): a row each, since either may become a default.
+    rope = ["--frameworks", "ours", "--set", "model.rope_fusion=true", *tiny]
+    steps.append(Step("rope_compiled", 150, [*bench, *rope]))
+    fused_loss = ["--frameworks", "ours", "--set", "model.cross_entropy_fusion=true", *tiny]
+    steps.append(Step("fused_loss", 150, [*bench, *fused_loss]))
     if not cpu:
         # The demo (its loop paces garbage collection and times data waits) and profiling; the
         # resume was measured there before (README). Runs stay on the node.

@@ -165,12 +165,13 @@ class ModelConfig:
     torch.compile'd passes over the logits as they are (megatron_train.models.loss), which never
     write the fp32 copy of a micro-batch's logits that megatron-core's loss keeps (see README:
     Design choices). Compiles at the first step (C++ on a CPU)."""
-    gradient_accumulation_fusion: bool = True
+    gradient_accumulation_fusion: bool | Literal["auto"] = "auto"
     """Each weight-gradient GEMM adds its product straight into the fp32 main gradient instead of
     writing a gradient that is then added to it (megatron-core's gradient accumulation fusion,
     Megatron-LM's default): through apex's kernel where apex is installed, else through torch's
-    ``addmm`` (on a GPU its form with bf16 inputs and fp32 output, when this torch has it). Off
-    under model.compile, which cannot trace it."""
+    ``addmm`` (on a GPU its form with bf16 inputs and fp32 output, when this torch has it).
+    ``auto``: on, except under model.compile, which cannot trace it; ``true`` under model.compile
+    runs the linears outside the compiled graphs, which then hold what lies between them."""
     rope_fusion: bool = False
     """The local spec's rotary embedding compiled: megatron-core's own RoPE function through
     torch.compile, whose fused kernels replace the about ten small ones it runs for each of a

@@ -260,6 +260,24 @@ def compiled_layers_without_warnings() -> None:
         ignored.add(warnings.warn)
 
 
+_TRACED_LINEAR = mcore_layers.linear_with_grad_accumulation_and_async_allreduce
+
+
+def linears_outside_compiled_graphs(on: bool) -> None:
+    """Run megatron's linear function outside torch.compile's graphs (``on``), or inside them.
+
+    0.16.1: with gradient accumulation fusion, ``LinearWithGradAccumulationAndAsyncCommunication``
+    keeps the weight's ``main_grad`` on its autograd context for its backward to add the weight
+    gradient into. Dynamo cannot trace that side effect: it tries to, gives up and splits the
+    graph there anyway. Excluding the function splits it there directly: the GEMMs run as in eager
+    mode, what lies between them (norms, RoPE, SwiGLU, residual adds) compiled. The linears'
+    ``_forward_impl`` look the function up in their module at each call. Idempotent.
+    """
+    mcore_layers.linear_with_grad_accumulation_and_async_allreduce = (
+        torch.compiler.disable(_TRACED_LINEAR) if on else _TRACED_LINEAR
+    )
+
+
 def moe_router_without_transformer_engine() -> None:
     """Let megatron's MoE router run without Transformer Engine.
 

@@ -13,6 +13,7 @@ from megatron_train.init import initialize_weights
 from megatron_train.megatron_compat import (
     compile_rotary_embedding,
     compiled_layers_without_warnings,
+    linears_outside_compiled_graphs,
     mark_tensor_parallel_weights,
     moe_aux_loss_over_split_sequences,
     moe_router_without_transformer_engine,
@@ -150,6 +151,7 @@ def _compile_layers(chunks: list[torch.nn.Module]) -> None:
     """torch.compile each transformer layer in place: its parameters and state_dict keys stay as
     they are, so checkpoints do not change."""
     compiled_layers_without_warnings()
+    linears_outside_compiled_graphs(chunks[0].config.gradient_accumulation_fusion)
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             layer.compile()

@@ -132,7 +132,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     from megatron_train.evaluation import Evaluator
     from megatron_train.gc_pacing import GcPacing
     from megatron_train.model import build_model, compiles_rope, layer_implementation
-    from megatron_train.models.common import one_pass_loss
+    from megatron_train.models.common import asks_grad_accumulation_fusion, one_pass_loss
     from megatron_train.optim import build_optimizer
     from megatron_train.profiling import StepProfiler
     from megatron_train.step import Stepper
@@ -177,8 +177,9 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     experts = f" EP={p.expert} ETP={p.expert_tensor or p.tensor}" if cfg.model.num_experts else ""
     context = f" CP={p.context}" if p.context > 1 else ""
     te, layers = layer_implementation(cfg)
+    fused_wgrad = model[0].config.gradient_accumulation_fusion
     if cfg.model.compile:
-        layers += ", layers compiled"
+        layers += ", layers compiled" + (" (linears outside the graphs)" if fused_wgrad else "")
     elif compiles_rope(cfg, te):
         layers += ", RoPE compiled"
     if one_pass_loss(cfg.model, te):
@@ -187,8 +188,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
         layers += ", fused cross-entropy (Transformer Engine's)"
     # Asked for (the default) but unavailable: a GPU without apex whose torch lacks addmm's
     # bf16 -> fp32 form.
-    unfused = not model[0].config.gradient_accumulation_fusion
-    if cfg.model.gradient_accumulation_fusion and not cfg.model.compile and unfused:
+    if asks_grad_accumulation_fusion(cfg.model) and not fused_wgrad:
         layers += ", no gradient accumulation fusion (needs apex, or a torch whose addmm adds bf16 to fp32)"
     log.info(
         f"layout TP={p.tensor} PP={p.pipeline} VPP={p.virtual_pipeline or 1}{context} DP={dp}{experts} "

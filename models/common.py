@@ -16,11 +16,17 @@ def grad_accumulation_fusion(m: ModelConfig) -> bool:
 
     ``model.gradient_accumulation_fusion`` is one switch for every linear: megatron-core's own
     (every spec's output layer among them) need apex's ``fused_weight_gradient_mlp_cuda`` or its
-    torch stand-in; Transformer Engine's fuse it themselves. Compiled layers go without it:
-    megatron's linear keeps ``main_grad`` on its autograd context, which torch.compile cannot trace
-    (each layer would break into many graphs).
+    torch stand-in; Transformer Engine's fuse it themselves. ``auto`` leaves compiled layers
+    without it: megatron's linear keeps ``main_grad`` on its autograd context, which torch.compile
+    cannot trace, so each layer's graph splits at its linears; ``true`` accepts that split.
     """
-    return m.gradient_accumulation_fusion and not m.compile and weight_gradient_accumulation_in_torch()
+    return asks_grad_accumulation_fusion(m) and weight_gradient_accumulation_in_torch()
+
+
+def asks_grad_accumulation_fusion(m: ModelConfig) -> bool:
+    """Whether the config asks for gradient accumulation fusion (``auto``: where not compiled)."""
+    asked = m.gradient_accumulation_fusion
+    return asked is True or (asked == "auto" and not m.compile)
 
 
 def one_pass_loss(m: ModelConfig, use_transformer_engine: bool) -> bool:

@@ -116,8 +116,8 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     names = [step.name for step in steps]
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
     assert names == [
-        "install", "cudnn_libraries", "throughput_te", "throughput_eager", "rope_compiled", "fused_loss",
-        "all_options", "te_all_options", "wgrad_unfused", "smoke", "cross_entropy_memory",
+        "install", "cudnn_libraries", "throughput_te", "throughput_eager", "all_options", "te_all_options",
+        "rope_compiled", "fused_loss", "smoke", "cross_entropy_memory",
     ]  # fmt: skip
     assert steps[0].cap_s > 240
     assert frameworks(steps[2]) == "ours-te" and frameworks(steps[3]) == "ours,hf"
@@ -126,12 +126,16 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     steps = session.plan(cpu=False, out=tmp_path / "out", wheelhouse=tmp_path)
     names = [step.name for step in steps]
     assert names == [
-        "throughput_eager", "rope_compiled", "fused_loss", "all_options", "profile", "throughput_compiled",
-        "wgrad_unfused", "smoke", "cross_entropy_memory",
+        "throughput_eager", "all_options", "compiled_all_options", "compiled_wgrad_fused", "profile",
+        "throughput_compiled", "rope_compiled", "fused_loss", "smoke", "cross_entropy_memory",
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
-    assert "model.attention_backend=cudnn" in steps[3].argv and steps[3].argv.count("--set") == 3
-    assert frameworks(steps[3]) == "ours,torchtitan" and "--micro-batch" in steps[3].argv
+    assert "model.attention_backend=cudnn" in steps[1].argv and steps[1].argv.count("--set") == 3
+    assert frameworks(steps[1]) == "ours,torchtitan" and "--micro-batch" in steps[1].argv
+    # The compiled best beside torchtitan compiled, at the same micro-batch; then with the fusion.
+    assert frameworks(steps[2]) == "ours,torchtitan" and "--compile" in steps[2].argv
+    assert "model.attention_backend=cudnn" in steps[2].argv and "--micro-batch" in steps[2].argv
+    assert "model.gradient_accumulation_fusion=true" in steps[3].argv and "--compile" in steps[3].argv
     assert steps[4].argv[-2:] == ["--profile", str(tmp_path / "out" / "profile")]
 
 
@@ -158,8 +162,8 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
-    steps = ["throughput_eager", "rope_compiled", "fused_loss", "all_options", "profile",
-             "throughput_compiled", "wgrad_unfused", "cross_entropy_memory"]  # fmt: skip
+    steps = ["throughput_eager", "all_options", "compiled_all_options", "compiled_wgrad_fused", "profile",
+             "throughput_compiled", "rope_compiled", "fused_loss", "cross_entropy_memory"]  # fmt: skip
     assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
     outputs = session_tool.step_outputs(tmp_path / "dry" / "steps.log")
     assert list(outputs) == steps
@@ -167,7 +171,9 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
     assert "micro-batch 4 x 2 accumulation" in outputs["all_options"]
     assert "model.rope_fusion=true, model.cross_entropy_fusion=true" in outputs["all_options"]
     assert "wgrad GEMMs accumulate into main_grad" in outputs["throughput_eager"]
-    assert "main_grad" not in outputs["wgrad_unfused"].split("framework")[-1]
+    # model.compile leaves the fusion off unless asked for it.
+    assert "main_grad" not in outputs["compiled_all_options"].split("framework")[-1]
+    assert "torch.compile, wgrad GEMMs accumulate into main_grad" in outputs["compiled_wgrad_fused"]
     assert "model.rope_fusion=true" in outputs["rope_compiled"]
     assert "model.cross_entropy_fusion=true" in outputs["fused_loss"].split("framework")[-1]
     table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()

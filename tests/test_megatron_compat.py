@@ -275,9 +275,10 @@ FUSED_WGRAD_SCRIPT = STEP_GRADIENTS + textwrap.dedent(
 
     def count_calls():
         assert megatron_compat.weight_gradient_accumulation_in_torch()
-        accumulate = mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
-        counted = lambda *args: calls.append(1) or accumulate(*args)
-        mcore_layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = counted
+        # The stand-in stays bound for the process: count its first function once.
+        bound = mcore_layers.fused_weight_gradient_mlp_cuda
+        accumulate = bound.uncounted = getattr(bound, "uncounted", bound.wgrad_gemm_accum_fp32)
+        bound.wgrad_gemm_accum_fp32 = lambda *args: calls.append(1) or accumulate(*args)
 
     plain, config = step_gradients(3, gradient_accumulation_fusion=False)
     assert not config.gradient_accumulation_fusion and not calls
@@ -286,6 +287,22 @@ FUSED_WGRAD_SCRIPT = STEP_GRADIENTS + textwrap.dedent(
     # 3 micro-batches x (the output layer + 4 linears in each of the 2 layers).
     assert len(calls) == 3 * (1 + 4 * 2), len(calls)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-7)
+
+    # Compiled layers: without the fusion by default; with it when asked, the linears run
+    # outside the compiled graphs, which break there and nowhere else.
+    from torch._dynamo.utils import counters
+
+    calls.clear()
+    _, config = step_gradients(3, compile=True)
+    assert not config.gradient_accumulation_fusion and not calls
+    assert mcore_layers.linear_with_grad_accumulation_and_async_allreduce is megatron_compat._TRACED_LINEAR
+    counters.clear()
+    compiled, config = step_gradients(3, count_calls, compile=True, gradient_accumulation_fusion=True)
+    assert config.gradient_accumulation_fusion and len(calls) == 3 * (1 + 4 * 2), len(calls)
+    assert counters["stats"]["unique_graphs"] > 0
+    breaks = list(counters["graph_break"])
+    assert breaks and all("linear_with_grad_accumulation_and_async_allreduce" in b for b in breaks), breaks
+    torch.testing.assert_close(compiled, plain, rtol=1e-5, atol=1e-7)
     print("OK")
     """
 )
@@ -294,7 +311,8 @@ FUSED_WGRAD_SCRIPT = STEP_GRADIENTS + textwrap.dedent(
 def test_weight_gradients_accumulate_into_main_grad_without_apex():
     """``model.gradient_accumulation_fusion`` through megatron's own path with the torch stand-in
     for apex's kernel: every linear's weight gradient (the tied output layer's too) goes through
-    it on each micro-batch, and the step's gradients equal those of the unfused path."""
+    it on each micro-batch, and the step's gradients equal those of the unfused path, compiled
+    layers' too (``true`` under model.compile)."""
     from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
 
     backward = inspect.getsource(LinearWithGradAccumulationAndAsyncCommunication.backward)
