@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -258,6 +260,41 @@ def compiled_layers_without_warnings() -> None:
     ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)
     if ignored is not None:
         ignored.add(warnings.warn)
+
+
+_TOKENIZER_LIBRARIES = "megatron.core.tokenizers.text.libraries"
+# The two of them that import transformers, each setting its HAVE_TRANSFORMERS by whether it could.
+_TRANSFORMERS_USERS = {"huggingface_tokenizer": "AutoTokenizer", "chat_template": "_compile_jinja_template"}
+
+
+def tokenizer_libraries_without_transformers() -> None:
+    """Import megatron-core's tokenizer libraries without transformers, for a SentencePiece
+    tokenizer: 0.16.1's ``tokenizers.text.libraries`` package imports its Hugging Face wrapper with
+    the rest, whose ``import transformers`` took 1.1 s of every rank's start-up on the dev machine.
+    The wrapper and its chat-template helper then record that transformers is missing, which
+    :func:`tokenizer_libraries_with_transformers` undoes. A no-op once either is imported."""
+    if _TOKENIZER_LIBRARIES in sys.modules or "transformers" in sys.modules:
+        return
+    sys.modules["transformers"] = None  # `import transformers` raises ModuleNotFoundError meanwhile
+    try:
+        importlib.import_module(_TOKENIZER_LIBRARIES)
+    finally:
+        if sys.modules.get("transformers", False) is None:
+            del sys.modules["transformers"]
+
+
+def tokenizer_libraries_with_transformers() -> None:
+    """Give megatron-core's Hugging Face tokenizer wrapper the transformers names its own import
+    sets, where :func:`tokenizer_libraries_without_transformers` left them out. Idempotent."""
+    for name, attribute in _TRANSFORMERS_USERS.items():
+        module = sys.modules.get(f"{_TOKENIZER_LIBRARIES}.{name}")
+        if module is not None and not module.HAVE_TRANSFORMERS:
+            if name == "huggingface_tokenizer":
+                from transformers import AutoTokenizer as found
+            else:
+                from transformers.utils.chat_template_utils import _compile_jinja_template as found
+            setattr(module, attribute, found)
+            module.HAVE_TRANSFORMERS = True
 
 
 _TRACED_LINEAR = mcore_layers.linear_with_grad_accumulation_and_async_allreduce

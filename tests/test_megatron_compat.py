@@ -10,6 +10,7 @@ import re
 import textwrap
 from pathlib import Path
 
+import pytest
 from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mcore_random
@@ -392,4 +393,41 @@ def test_megatron_cores_optional_wandb_imports_are_skipped_and_wandb_still_impor
     }
     assert trying == optional_imports._WANDB_OPTIONAL_IN
     result = run_tool("-c", WANDB_SKIPPED_SCRIPT, check=False)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+TOKENIZERS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    from megatron_train.tokenizer import load_tokenizer
+
+    spm = load_tokenizer("sentencepiece", sys.argv[1])
+    assert "transformers" not in sys.modules, "a SentencePiece tokenizer imported transformers"
+    # The same process then loads a Hugging Face tokenizer, and applies a chat template.
+    hf = load_tokenizer("huggingface", sys.argv[2])
+    assert hf.tokenize("t1 t2") == [1, 2], hf.tokenize("t1 t2")
+    template = "{{ messages[0].content }}"
+    chat = hf.apply_chat_template([{"role": "user", "content": "t3"}], chat_template=template)
+    assert chat["input_ids"] == [3], chat
+    assert spm.detokenize(spm.tokenize("def f(): pass")) == "def f(): pass"
+    print("OK")
+    """
+)
+
+
+def test_a_sentencepiece_tokenizer_loads_without_transformers_and_a_hugging_face_one_after_it(
+    tmp_path, corpus
+):
+    """megatron-core's tokenizer libraries import transformers for their Hugging Face wrapper (a
+    second of each rank's start-up): a SentencePiece tokenizer loads without it, and a Hugging
+    Face tokenizer in the same process still works, chat templates included."""
+    tokenizers = pytest.importorskip("tokenizers")
+    import transformers
+
+    vocab = {f"t{i}": i for i in range(8)}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level).save_pretrained(tmp_path / "hf")
+    result = run_tool("-c", TOKENIZERS_SCRIPT, str(corpus["tokenizer"]), str(tmp_path / "hf"), check=False)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
