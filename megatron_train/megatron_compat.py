@@ -47,6 +47,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from megatron_train.optional_imports import absent
+
 TESTED = SpecifierSet(">=0.16.1,<0.17")
 """The megatron-core versions this module was checked against (pyproject pins the same)."""
 
@@ -273,14 +275,9 @@ def tokenizer_libraries_without_transformers() -> None:
     the rest, whose ``import transformers`` took 1.1 s of every rank's start-up on the dev machine.
     The wrapper and its chat-template helper then record that transformers is missing, which
     :func:`tokenizer_libraries_with_transformers` undoes. A no-op once either is imported."""
-    if _TOKENIZER_LIBRARIES in sys.modules or "transformers" in sys.modules:
-        return
-    sys.modules["transformers"] = None  # `import transformers` raises ModuleNotFoundError meanwhile
-    try:
-        importlib.import_module(_TOKENIZER_LIBRARIES)
-    finally:
-        if sys.modules.get("transformers", False) is None:
-            del sys.modules["transformers"]
+    if _TOKENIZER_LIBRARIES not in sys.modules:
+        with absent("transformers"):
+            importlib.import_module(_TOKENIZER_LIBRARIES)
 
 
 def tokenizer_libraries_with_transformers() -> None:

@@ -11,8 +11,10 @@ to them, unless it is already imported; it stays importable for our own metrics
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -23,6 +25,21 @@ _WANDB_OPTIONAL_IN = frozenset(
         "megatron.core.inference.engines.dynamic_engine",
     }
 )
+
+
+@contextlib.contextmanager
+def absent(package: str) -> Iterator[None]:
+    """Inside the block, ``import package`` raises ModuleNotFoundError, unless it was imported
+    before; afterwards it imports as usual."""
+    if package in sys.modules:
+        yield
+        return
+    sys.modules[package] = None  # what the import system reads as "not found here"
+    try:
+        yield
+    finally:
+        if sys.modules.get(package, False) is None:
+            del sys.modules[package]
 
 
 class _WithoutWandb(importlib.abc.MetaPathFinder):
@@ -39,15 +56,8 @@ class _WithoutWandb(importlib.abc.MetaPathFinder):
             load = spec.loader.exec_module
 
             def exec_module(module: ModuleType) -> None:
-                if "wandb" in sys.modules:
+                with absent("wandb"):
                     load(module)
-                    return
-                sys.modules["wandb"] = None  # `import wandb` raises ImportError meanwhile
-                try:
-                    load(module)
-                finally:
-                    if sys.modules.get("wandb", False) is None:
-                        del sys.modules["wandb"]
 
             spec.loader.exec_module = exec_module
         return spec
