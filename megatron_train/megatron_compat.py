@@ -265,8 +265,12 @@ def compiled_layers_without_warnings() -> None:
 
 
 _TOKENIZER_LIBRARIES = "megatron.core.tokenizers.text.libraries"
-# The two of them that import transformers, each setting its HAVE_TRANSFORMERS by whether it could.
-_TRANSFORMERS_USERS = {"huggingface_tokenizer": "AutoTokenizer", "chat_template": "_compile_jinja_template"}
+# The two of them that import transformers (module: where from, the name), each setting its
+# HAVE_TRANSFORMERS by whether it could.
+_TRANSFORMERS_USERS = {
+    "huggingface_tokenizer": ("transformers", "AutoTokenizer"),
+    "chat_template": ("transformers.utils.chat_template_utils", "_compile_jinja_template"),
+}
 
 
 def tokenizer_libraries_without_transformers() -> None:
@@ -283,14 +287,10 @@ def tokenizer_libraries_without_transformers() -> None:
 def tokenizer_libraries_with_transformers() -> None:
     """Give megatron-core's Hugging Face tokenizer wrapper the transformers names its own import
     sets, where :func:`tokenizer_libraries_without_transformers` left them out. Idempotent."""
-    for name, attribute in _TRANSFORMERS_USERS.items():
+    for name, (source, attribute) in _TRANSFORMERS_USERS.items():
         module = sys.modules.get(f"{_TOKENIZER_LIBRARIES}.{name}")
         if module is not None and not module.HAVE_TRANSFORMERS:
-            if name == "huggingface_tokenizer":
-                from transformers import AutoTokenizer as found
-            else:
-                from transformers.utils.chat_template_utils import _compile_jinja_template as found
-            setattr(module, attribute, found)
+            setattr(module, attribute, getattr(importlib.import_module(source), attribute))
             module.HAVE_TRANSFORMERS = True
 
 
