@@ -275,8 +275,8 @@ class DataConfig:
     valid_blend: list[FilePath | Annotated[float, Range(0)]] | None = None
     """Datasets validation reads, each whole, written as ``blend`` is (Megatron-LM's
     ``--valid-data-path``): a held-out set kept apart from the training data. Training then reads
-    each dataset of ``blend`` whole as well, so ``split`` is not used. None: validation reads the
-    valid part ``split`` cuts from ``blend``."""
+    each dataset of ``blend`` whole as well, so ``split`` is left out (or ``100,0,0``). None:
+    validation reads the valid part ``split`` cuts from ``blend``."""
     seq_length: PositiveInt = 256
     """Tokens per training sample."""
     cache_dir: FilePath | None = None

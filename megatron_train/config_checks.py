@@ -5,6 +5,7 @@ with a :class:`ConfigError` naming the key to change. No files are looked at her
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from megatron_train.config import (
@@ -55,11 +56,14 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
                 "is an empty list",
                 "list validation datasets, or set it to null to validate on the part data.split cuts",
             )
-        if "split" in _changed_fields(d):
+        # A split with no valid or test part says what valid_blend does (train on all of blend),
+        # and is how a command line overrides a config file's split.
+        if "split" in _changed_fields(d) and any(float(x) for x in re.split(r"[,/]", d.split)[1:]):
             raise ConfigError(
                 "data.split",
                 f"is {d.split!r}, but with data.valid_blend every dataset is read whole",
-                "remove data.split, or data.valid_blend to cut validation from data.blend",
+                "remove data.split or set it to 100,0,0, or remove data.valid_blend to cut validation "
+                "from data.blend",
             )
     model_parallel = p.tensor * p.pipeline * p.context
     if world_size % model_parallel:

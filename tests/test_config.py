@@ -49,6 +49,8 @@ BAD_INPUTS = [
     (["optimizer.warmup_steps=100"], 1, "optimizer.warmup_steps"),
     (["data.valid_blend=[]", "data.split=98,2,0"], 1, "data.valid_blend"),
     (["data.valid_blend=[/nonexistent/valid]"], 1, "data.split"),  # the good config cuts a split
+    # a split with no valid or test part overrides the file's split: the next check is reached
+    (["data.valid_blend=[/nonexistent/valid]", "data.split=100,0,0"], 1, "data.valid_blend"),
     # the decay ends at optimizer.decay_steps, not train.steps: warmup and WSD's phase fit before it
     (["optimizer.warmup_steps=3", "optimizer.decay_steps=3"], 1, "optimizer.warmup_steps"),
     (
