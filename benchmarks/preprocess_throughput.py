@@ -148,10 +148,13 @@ def main() -> int:
         )
     if args.megatron_lm and not args.input.name.endswith((".jsonl", ".json")):
         parser.error(f"--input: Megatron-LM's tool reads plain JSON lines, not {args.input.name!r}")
-    counted: list[int] = []
-    if code := cli.run(lambda: counted.append(count_documents(args.input, args.text_key))):
-        return code
-    docs = counted[0]
+    return cli.run(lambda: measure(args))
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Print each tool's time, rate and peak memory at each worker count; an input our tool would
+    refuse ends here, before any tool runs, as the tool reports it."""
+    docs = count_documents(args.input, args.text_key)
     # Megatron-LM's tool runs from its checkout.
     args.input, args.tokenizer = args.input.resolve(), str(Path(args.tokenizer).resolve())
     print(f"{args.input}: {docs:,} documents, {args.input.stat().st_size / 1e6:.1f} MB; "
@@ -187,7 +190,6 @@ def main() -> int:
                 print(f"{workers:>7} {'whole texts':12} {alone:8.1f} {docs / alone:8.0f}  {note}")
             if same is not None:
                 print(f"{'':>7} tokens (.bin) byte-identical: {same}")
-    return 0
 
 
 if __name__ == "__main__":
