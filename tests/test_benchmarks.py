@@ -151,29 +151,45 @@ def test_cudnn_probe_runs_both_cases_where_there_is_no_cudnn():
         ), result.stdout
 
 
-def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_path):
-    """The one-call GPU plan, at the tiny shape: each step's real command runs and leaves its output
-    in the one session log (the cross-entropy benchmark's rows checked here, one per mode), the
-    profiler its table and trace."""
-    session = [sys.executable, "benchmarks/gpu_session.py", "--cpu"]
-    session_tool = load_tool("benchmarks/gpu_session.py")
+def _dry_run(out: Path, steps: list[str]) -> dict[str, str]:
+    """The GPU plan's ``steps`` at the tiny shape on the CPU, as one call of a session runs them:
+    each step's output in the one session log, each step ok in the summary."""
     result = subprocess.run(
-        [*session, "--out", str(tmp_path / "dry")], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "benchmarks/gpu_session.py", "--cpu", "--out", str(out), "--steps", ",".join(steps)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = (tmp_path / "dry" / "summary.txt").read_text().splitlines()
-    steps = ["throughput_eager", "all_options", "compiled_all_options", "compiled_wgrad_fused", "profile",
-             "throughput_compiled", "rope_compiled", "fused_loss", "cross_entropy_memory"]  # fmt: skip
+    summary = (out / "summary.txt").read_text().splitlines()
     assert [line.split()[0] for line in summary] == steps and all(line.endswith(" ok") for line in summary)
-    outputs = session_tool.step_outputs(tmp_path / "dry" / "steps.log")
+    outputs = load_tool("benchmarks/gpu_session.py").step_outputs(out / "steps.log")
     assert list(outputs) == steps
-    assert "torch.compile" in outputs["throughput_compiled"]
+    return outputs
+
+
+# The plan in the two calls a session makes of it (README), one test each so that the two halves
+# of the longest dry run run side by side.
+def test_gpu_session_dry_run_first_call_eager_and_compiled_rows(tmp_path):
+    """Ours eager beside the baselines, then every option at micro-batch 4 x 2, eager and
+    compiled, with and without the fused weight-gradient accumulation."""
+    steps = ["throughput_eager", "all_options", "compiled_all_options", "compiled_wgrad_fused"]
+    outputs = _dry_run(tmp_path / "dry", steps)
     assert "micro-batch 4 x 2 accumulation" in outputs["all_options"]
     assert "model.rope_fusion=true, model.cross_entropy_fusion=true" in outputs["all_options"]
     assert "wgrad GEMMs accumulate into main_grad" in outputs["throughput_eager"]
     # model.compile leaves the fusion off unless asked for it.
     assert "main_grad" not in outputs["compiled_all_options"].split("framework")[-1]
     assert "torch.compile, wgrad GEMMs accumulate into main_grad" in outputs["compiled_wgrad_fused"]
+
+
+def test_gpu_session_dry_run_second_call_profile_and_single_options_and_a_spent_budget(tmp_path):
+    """The profiler's table and trace, the compiled defaults, each option alone, the
+    cross-entropy benchmark's rows (one per mode); a spent budget skips every step."""
+    steps = ["profile", "throughput_compiled", "rope_compiled", "fused_loss", "cross_entropy_memory"]
+    outputs = _dry_run(tmp_path / "dry", steps)
+    assert "torch.compile" in outputs["throughput_compiled"]
     assert "model.rope_fusion=true" in outputs["rope_compiled"]
     assert "model.cross_entropy_fusion=true" in outputs["fused_loss"].split("framework")[-1]
     table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()
@@ -189,16 +205,11 @@ def test_gpu_session_dry_run_runs_every_step_and_a_spent_budget_skips_them(tmp_p
         )
     assert "device: cpu" in cross_entropy
 
-    # --steps keeps the plan's named steps only (a plan split over two calls).
+    # --steps keeps the plan's named steps only, in the plan's order.
     spent = subprocess.run(
         [
-            *session,
-            "--out",
-            str(tmp_path / "spent"),
-            "--budget-s",
-            "5",
-            "--steps",
-            "cross_entropy_memory,profile",
+            *(sys.executable, "benchmarks/gpu_session.py", "--cpu"),
+            *("--out", str(tmp_path / "spent"), "--budget-s", "5", "--steps", "cross_entropy_memory,profile"),
         ],
         cwd=ROOT,
         capture_output=True,
