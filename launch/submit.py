@@ -18,11 +18,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_train import cli
-from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_output_dir
-
 ROOT = Path(__file__).resolve().parents[1]
+# This checkout's package, installed or not: its import names a Python without the project's
+# environment in one line (megatron_train/__init__.py), where an import would fail with a traceback.
+sys.path.insert(0, str(ROOT))
+
+from megatron_train import cli  # noqa: E402
+from megatron_train.errors import ConfigError  # noqa: E402
+from megatron_train.outputs import check_output_dir  # noqa: E402
+
 SBATCH_SCRIPT = ROOT / "launch" / "slurm" / "pretrain.sbatch"
 
 

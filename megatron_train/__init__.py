@@ -4,10 +4,32 @@ import logging
 import os
 import sys
 import warnings
-from importlib.util import module_from_spec, spec_from_file_location
+from importlib.util import find_spec, module_from_spec, spec_from_file_location
 from pathlib import Path
 
 __version__ = "0.1.0"
+
+
+def _is_our_command() -> bool:
+    """Whether this process runs one of this project's commands (``python -m megatron_train.*``,
+    whose package import sees ``-m`` as argv[0], or a script of the checkout) rather than a program
+    that merely imports this package."""
+    main = sys.argv[0] if sys.argv else ""
+    checkout = Path(__file__).resolve().parent.parent
+    return main == "-m" or (main not in ("", "-c") and Path(main).resolve().parent.parent == checkout)
+
+
+_OUR_COMMAND = _is_our_command()
+
+# A command started by a Python other than the environment's (one not activated) would end in an
+# import traceback a few lines on; nothing of it has run yet.
+if _OUR_COMMAND and find_spec("torch") is None:
+    print(
+        f"error: {sys.executable} cannot import torch, so it is not the Python megatron-train is "
+        "installed for. Fix: activate that environment (make install; source .venv/bin/activate)",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 # Before anything imports megatron-core, which imports Transformer Engine where it is installed.
 from megatron_train.cudnn_sharing import share_torch_cudnn  # noqa: E402
@@ -40,15 +62,11 @@ _map_checkout_families()
 def _interrupt_while_starting_is_one_line() -> None:
     """A Ctrl-C in a command's first seconds lands while Python imports torch and megatron-core,
     before the command's own handler (``cli.entry_point``) is in place: one line instead of the
-    import's traceback. Only for this project's commands (``python -m megatron_train.*``, whose
-    package import sees ``-m`` as argv[0], and the checkout's scripts); a program that merely
-    imports this package keeps its own hook. A script that imports torch before this package
+    import's traceback. Only for this project's commands (:func:`_is_our_command`); a program
+    that merely imports this package keeps its own hook. A script that imports torch before this package
     still shows the trace of a Ctrl-C during torch's own import. Python still ends the process by
     SIGINT (130 in a shell)."""
-    main = sys.argv[0] if sys.argv else ""
-    checkout = Path(__file__).resolve().parent.parent
-    ours = main == "-m" or (main not in ("", "-c") and Path(main).resolve().parent.parent == checkout)
-    if not ours:
+    if not _OUR_COMMAND:
         return
     others = sys.excepthook
 

@@ -68,8 +68,11 @@ def single_rank(config: Path, *overrides: str, timeout: int = 300) -> subprocess
 
 def load_tool(path: str) -> types.ModuleType:
     """A repo script (``tools/x.py``) imported as module ``x``, registered in ``sys.modules`` as an
-    import would be: dataclasses and pickling by reference look their module up there."""
-    name = Path(path).stem
+    import would be: dataclasses and pickling by reference look their module up there. Its folder
+    goes on the path, as when Python runs it, for the modules it imports from beside it."""
+    name, folder = Path(path).stem, str((ROOT / path).parent)
+    if folder not in sys.path:
+        sys.path.append(folder)
     spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

@@ -84,6 +84,26 @@ def test_the_local_launcher_refuses_a_python_without_the_project(tmp_path):
     ]
 
 
+def test_every_command_refuses_a_python_without_the_project(tmp_path):
+    """Each tool, the Slurm submitter and the trainer, started by a Python that lacks torch (the
+    environment not activated), is one line and exit code 2 before anything runs, not the trace
+    of an import that fails; the tools find this checkout's package without an install."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    commands = [[str(tool), "--help"] for tool in sorted((ROOT / "tools").glob("*.py"))]
+    commands += [["launch/submit.py", "--help"], ["-m", "megatron_train.train", "--help"]]
+    for command in commands:
+        if command[0].endswith("use_checkout.py"):
+            continue
+        result = subprocess.run(
+            [str(tmp_path / "bare" / "bin" / "python"), *command], cwd=ROOT, capture_output=True, text=True
+        )
+        assert (result.returncode, result.stdout) == (2, ""), (command, result.stderr)
+        assert result.stderr.splitlines() == [
+            f"error: {tmp_path}/bare/bin/python cannot import torch, so it is not the Python megatron-train "
+            "is installed for. Fix: activate that environment (make install; source .venv/bin/activate)"
+        ], command
+
+
 TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
 
 

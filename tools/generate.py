@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line.
-import megatron_train  # noqa: F401
+# Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line,
+# and a Python without the project's environment one line too (use_checkout.py).
+import use_checkout  # noqa: F401
 
 # isort: split
 import torch

@@ -12,6 +12,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+# First: this checkout's package, which names a Python without the project's environment.
+import use_checkout  # noqa: F401
+
+# isort: split
 from megatron_train import cli
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.files import CheckpointError

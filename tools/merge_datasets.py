@@ -16,6 +16,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+# First: this checkout's package, which names a Python without the project's environment.
+import use_checkout  # noqa: F401
+
+# isort: split
 from megatron_train import cli
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import check_indexed_dataset

@@ -35,6 +35,10 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
+# First: this checkout's package, which names a Python without the project's environment.
+import use_checkout  # noqa: F401
+
+# isort: split
 import numpy as np
 from tqdm import tqdm
 

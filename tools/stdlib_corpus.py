@@ -10,6 +10,10 @@ import json
 import sysconfig
 from pathlib import Path
 
+# First: this checkout's package, which names a Python without the project's environment.
+import use_checkout  # noqa: F401
+
+# isort: split
 from megatron_train import cli
 from megatron_train.outputs import made_dir, output_prefix
 

@@ -20,6 +20,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+# First: this checkout's package, which names a Python without the project's environment.
+import use_checkout  # noqa: F401
+
+# isort: split
 import sentencepiece as spm
 
 from megatron_train import cli
