@@ -63,9 +63,9 @@ def _interrupt_while_starting_is_one_line() -> None:
     """A Ctrl-C in a command's first seconds lands while Python imports torch and megatron-core,
     before the command's own handler (``cli.entry_point``) is in place: one line instead of the
     import's traceback. Only for this project's commands (:func:`_is_our_command`); a program
-    that merely imports this package keeps its own hook. A script that imports torch before this package
-    still shows the trace of a Ctrl-C during torch's own import. Python still ends the process by
-    SIGINT (130 in a shell)."""
+    that merely imports this package keeps its own hook. A script that imports torch before this
+    package still shows the trace of a Ctrl-C during torch's own import. Python still ends the
+    process by SIGINT (130 in a shell)."""
     if not _OUR_COMMAND:
         return
     others = sys.excepthook
