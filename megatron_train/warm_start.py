@@ -41,7 +41,7 @@ def locate(cfg: ExperimentConfig, is_main: bool, log: Callable[[str], None]) -> 
 def load(path: Path, cfg: ExperimentConfig, model: list, optimizer, log: Callable[[str], None]) -> None:
     """Set the model's weights from ``path`` (any layout, either kind)."""
     if is_hf_model_dir(path):
-        load_hf_weights(model, path, cfg.model)
+        load_hf_weights(model, path, cfg.model, log)
     else:
         load_weights(path, model)
     # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).

@@ -160,6 +160,24 @@ def test_a_config_json_without_architectures_is_read_by_its_model_type(tmp_path,
     assert all(torch.equal(tensor, exported[key]) for key, tensor in original.items())
 
 
+def test_stored_tensors_the_model_does_not_take_are_named(tmp_path, hf_models):
+    """As transformers names the weights it leaves out; RoPE's stored inverse frequencies are not
+    weights and pass without a word."""
+    llama = tmp_path / "llama"
+    shutil.copytree(hf_models["llama"], llama)
+    weights = load_file(llama / "model.safetensors")
+    extra = {
+        "model.vision_tower.proj.weight": torch.ones(4),
+        "model.layers.0.mlp.down_proj.bias": torch.ones(64),
+    }
+    inv_freq = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    save_file({**weights, **extra, **inv_freq}, llama / "model.safetensors")
+    result = convert("import-hf", "--hf", str(llama), "--out", str(tmp_path / "imported"))
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "note: 2 tensor(s)" in notes[0], result.stdout
+    assert all(name in notes[0] for name in extra) and "inv_freq" not in notes[0]
+
+
 @pytest.mark.slow
 def test_export_shards_large_models_and_transformers_loads_them(tmp_path, hf_models, imported):
     back = tmp_path / "back"

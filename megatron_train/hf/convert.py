@@ -111,6 +111,20 @@ def _check_outside(out: Path, source: Path, what: str) -> None:
         raise ConversionError(f"--out {out} is inside {what} {source}; choose a folder outside it")
 
 
+def _check_weights(weights: HFWeights, family: Family, m: ModelConfig, log: Callable[[str], None]) -> None:
+    """The stored tensors hold the model config.json describes; the ones it does not take are named,
+    as transformers names the weights it leaves out of a model."""
+    expected = hf_shapes(family, m)
+    weights.check_shapes(expected)
+    unused = weights.unused(expected)
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        log(
+            f"note: {len(unused)} tensor(s) in {weights.dir} are not part of the model its config.json "
+            f"describes and are left out, as transformers leaves them out: {', '.join(unused[:3])}{more}"
+        )
+
+
 def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab_pad_multiple: int = 128,
               log: Callable[[str], None] = print) -> Path:  # fmt: skip
     """Convert a Hugging Face model directory into a checkpoint under ``out``; returns its path."""
@@ -121,7 +135,7 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
     cfg = imported_config(hf, tensor, pipeline, vocab_pad_multiple)
     m, family = cfg.model, family_of(cfg.model)
     weights = HFWeights(hf_dir)
-    weights.check_shapes(hf_shapes(family, m))
+    _check_weights(weights, family, m, log)
     dtype = _check_dtype(hf, weights)
     if _check_tokenizer(hf_dir, m.vocab_size):
         cfg.data.tokenizer.type = "huggingface"
@@ -155,12 +169,12 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
     return final_ckpt
 
 
-def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig) -> None:
+def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig, log: Callable[[str], None]) -> None:
     """Set the model's weights (any TP / PP, DDP-wrapped) from a Hugging Face directory, reading
     one layer of one tensor at a time; ``m`` must be the architecture of its config.json."""
     weights = HFWeights(Path(hf_dir))
     family = family_of(m)
-    weights.check_shapes(hf_shapes(family, m))
+    _check_weights(weights, family, m, log)
 
     def value(key: str, index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         return family.to_megatron(m, key, index, weights.get)

@@ -61,6 +61,11 @@ def _numbered_counts(names: Iterable[str]) -> dict[str, int]:
     return counts
 
 
+_NOT_WEIGHTS = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^lm_head\.weight$")
+"""Stored by some exports and never loaded by transformers: RoPE's inverse frequencies (a buffer
+it computes) and, in a model with tied embeddings, a copy of the output layer."""
+
+
 class HFWeights:
     """The tensors of a Hugging Face model directory, found through its shard index."""
 
@@ -138,6 +143,11 @@ class HFWeights:
                     f"{tuple(shape)}: the weights and config.json belong to different models; download "
                     "the model again"
                 )
+
+    def unused(self, expected: Iterable[str]) -> list[str]:
+        """Stored tensors outside ``expected``, other than the ones no model loads."""
+        expected = set(expected)
+        return sorted(n for n in self.weight_map if n not in expected and not _NOT_WEIGHTS.search(n))
 
     def dtypes(self) -> set[str]:
         """The safetensors dtype names (``BF16``...) of every stored tensor, from the headers."""
