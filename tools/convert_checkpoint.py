@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     exp = commands.add_parser("export-hf", help="checkpoint -> Hugging Face directory")
     exp.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir, save dir or run dir)")
     exp.add_argument("--out", type=Path, required=True, help="new Hugging Face model directory")
-    exp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the source's")
+    exp.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="default: an imported model's own, bfloat16 for one trained here (the Hub's usual)",
+    )
     exp.add_argument("--max-shard-gib", type=cli.positive_float, default=5.0, help="largest safetensors file")
     exp.add_argument("--tokenizer", type=Path, help="the run's tokenizer, if it moved since training")
     args = parser.parse_args(argv)
