@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_train.checkpoint import files
-from tests.conftest import records, torchrun, train_losses, write_config
+from tests.conftest import records, run_tool, torchrun, train_losses, write_config
 
 # One xdist worker runs this module, so its module-scoped reference runs are built once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("moe")]
@@ -104,6 +104,8 @@ def test_checkpoints_move_between_expert_layouts(tmp_path, corpus):
     assert result.returncode == 0, result.stderr[-4000:]
     expected = {r["step"]: r["loss"] for r in records(tmp_path / "base") if "loss" in r}
     saved = files.iteration_dir(tmp_path / "base" / "checkpoints", 3)
+    inspected = run_tool("tools/inspect_checkpoint.py", str(saved), "--no-tensors").stdout
+    assert "8 experts of ffn 96 (top 2, shared expert ffn 64)" in inspected, inspected
 
     for name, nproc, layout in [
         ("single", 1, []),

@@ -33,6 +33,18 @@ def _describe_common(path: Path) -> list[str]:
         ) from err
 
 
+def _mlp(m: dict) -> str:
+    """The MLP's widths: dense, or a mixture of experts (saved configs from before MoE have no
+    expert keys)."""
+    if not m.get("num_experts"):
+        return f"ffn {m['ffn_hidden_size']}"
+    shared = m.get("moe_shared_expert_ffn_hidden_size")
+    return (
+        f"{m['num_experts']} experts of ffn {m.get('moe_ffn_hidden_size') or m['ffn_hidden_size']} "
+        f"(top {m['moe_router_topk']}{f', shared expert ffn {shared}' if shared else ''})"
+    )
+
+
 def _common_lines(common: dict) -> list[str]:
     from megatron_train.checkpoint.state import Layout, optimizer_format
 
@@ -46,7 +58,7 @@ def _common_lines(common: dict) -> list[str]:
         f"written by:  megatron-train {common.get('version', '?')} at {Layout(**layout).describe()} "
         f"({layout['world_size']} ranks); optimizer state {optimizer_format(common)}",
         f"model:       {m.get('preset') or 'custom'}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
-        f"ffn {m['ffn_hidden_size']}, {m['num_attention_heads']} heads / "
+        f"{_mlp(m)}, {m['num_attention_heads']} heads / "
         f"{m['num_query_groups'] or m['num_attention_heads']} kv groups, vocab {m['vocab_size']}",
         f"training:    gbs {t['global_batch_size']} x seq {cfg['data']['seq_length']}, lr {o['lr']} "
         f"({o['decay_style']}), seed {t['seed']}",
