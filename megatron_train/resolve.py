@@ -91,12 +91,28 @@ def hf_model_options(hf: dict) -> dict:
     return options
 
 
+def _fits_layout(cfg: ExperimentConfig, world_size: int) -> None:
+    """``validate_options`` at the TP / PP a tool's ``--tp`` / ``--pp`` asked for: what fails only
+    there is the layout's, and the error names those flags rather than config keys the tool's user
+    never wrote."""
+    validate_options(dataclasses.replace(cfg, parallel=ParallelConfig()), 1)
+    try:
+        validate_options(cfg, world_size)
+    except ConfigError as err:
+        p = cfg.parallel
+        raise ConfigError(
+            "--tp / --pp",
+            f"TP{p.tensor} x PP{p.pipeline} does not fit this model: {err.problem}",
+            "choose a --tp that divides the heads and query groups, and a --pp that divides the layers",
+        ) from None
+
+
 def imported_config(hf: dict, tensor: int, pipeline: int, vocab_pad_multiple: int) -> ExperimentConfig:
     """Our config for a Hugging Face config.json at a TP / PP layout (ConfigError if impossible)."""
     model = ModelConfig(**hf_model_options(hf), vocab_pad_multiple=vocab_pad_multiple)
     cfg = ExperimentConfig(model=model, parallel=ParallelConfig(tensor=tensor, pipeline=pipeline))
     cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
-    validate_options(cfg, tensor * pipeline)
+    _fits_layout(cfg, tensor * pipeline)
     return cfg
 
 
@@ -112,7 +128,7 @@ def at_layout(saved: dict, tensor: int, pipeline: int, expert: int = 1) -> Exper
     # uncompiled: without a KV cache each new token is a new sequence length, a new compile.
     model = dataclasses.replace(cfg.model, rope_fusion=False)
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel, profile=ProfileConfig())
-    validate_options(cfg, tensor * pipeline * expert)
+    _fits_layout(cfg, tensor * pipeline * expert)
     return cfg
 
 

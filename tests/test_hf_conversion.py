@@ -262,7 +262,7 @@ def test_bad_inputs_are_clear_errors_and_leave_nothing_behind(tmp_path, hf_model
     llama = hf_models["llama"]
     out = tmp_path / "out"
     _expect_error("import-hf", "--hf", str(llama), "--out", str(out), "--tp", "3",
-                  needle="not divisible by parallel.tensor=3", out=out)  # fmt: skip
+                  needle="TP3 x PP1 does not fit this model: 4 heads", out=out)  # fmt: skip
     _expect_error(
         "import-hf", "--hf", str(tmp_path / "nowhere"), "--out", str(out), needle="does not exist", out=out
     )
