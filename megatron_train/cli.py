@@ -89,9 +89,23 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self.given = {}
+        self.argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def _unknown_options(self) -> list[str]:
+        """The ``--options`` given that are none of this parser's (nor a prefix of one)."""
+        return [
+            name
+            for name in (arg.split("=", 1)[0] for arg in getattr(self, "argv", []) if arg.startswith("--"))
+            if name != "--" and not any(known.startswith(name) for known in self._option_string_actions)
+        ]
+
     def error(self, message: str) -> NoReturn:
+        # argparse reports a missing required option before an unknown one, so a misspelt
+        # --config would read as if it had been left out.
+        unknown = self._unknown_options()
+        if message.startswith("the following arguments are required") and unknown:
+            message += f" (not an option here: {', '.join(unknown)})"
         report_once(f"{message}. Fix: see {self.prog} --help")
         sys.exit(EXIT_BAD_INPUT)
 

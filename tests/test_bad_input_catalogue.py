@@ -383,6 +383,12 @@ CASES = [
     # argparse kept the last of an option given twice
     Case("config-given-twice", "train", _train("--config", "WS/cfg.yaml"), "argument --config: given twice"),
     Case(
+        "config-misspelt",
+        "train",
+        _args("--confg", "WS/cfg.yaml"),
+        "required: --config (not an option here: --confg)",
+    ),
+    Case(
         "generate-prompt-given-twice",
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--prompt", "def", "--prompt", "class"),
