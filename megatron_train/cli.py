@@ -86,6 +86,7 @@ class ArgumentParser(argparse.ArgumentParser):
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)
         self.given: dict[str, object] = {}
+        self.argv: list[str] = []
 
     def parse_known_args(self, args=None, namespace=None):
         self.given = {}
@@ -96,7 +97,7 @@ class ArgumentParser(argparse.ArgumentParser):
         """The ``--options`` given that are none of this parser's (nor a prefix of one)."""
         return [
             name
-            for name in (arg.split("=", 1)[0] for arg in getattr(self, "argv", []) if arg.startswith("--"))
+            for name in (arg.split("=", 1)[0] for arg in self.argv if arg.startswith("--"))
             if name != "--" and not any(known.startswith(name) for known in self._option_string_actions)
         ]
 
