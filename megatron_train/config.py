@@ -230,6 +230,28 @@ class ModelConfig:
         return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
 
 
+WEIGHT_SHAPING_KEYS = (
+    "family",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "vocab_size",
+    "vocab_pad_multiple",
+    "tie_embeddings",
+    "qkv_bias",
+    "qk_norm",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_ffn_hidden_size",
+    "moe_router_expert_bias",
+)
+"""The ``model.*`` keys that decide which tensors a model holds and their shapes: a checkpoint's
+weights load only into a model that agrees with it on these."""
+
+
 @dataclass
 class ParallelConfig:
     """How the model and batch are split over ranks. Data parallel size is what remains."""

@@ -11,7 +11,7 @@ import torch
 
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.state import load_weights
-from megatron_train.config import ExperimentConfig
+from megatron_train.config import ExperimentConfig, to_dict
 from megatron_train.errors import CheckpointError
 from megatron_train.hf.convert import load_hf_weights
 from megatron_train.hf.model_dir import is_hf_model_dir
@@ -43,7 +43,7 @@ def load(path: Path, cfg: ExperimentConfig, model: list, optimizer, log: Callabl
     if is_hf_model_dir(path):
         load_hf_weights(model, path, cfg.model, log)
     else:
-        load_weights(path, model)
+        load_weights(path, model, to_dict(cfg))
     # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
     optimizer.reload_model_params()
     log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")

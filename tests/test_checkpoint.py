@@ -481,8 +481,20 @@ def test_bad_load_requests_are_clear_errors(tmp_path, trained):
         f"logging.run_dir={tmp_path / 'run'}",
     )  # fmt: skip
     assert mismatch.returncode == EXIT_BAD_INPUT
-    assert "architecture mismatch at tensor 'decoder.layers.mlp.linear_fc1.weight'" in mismatch.stderr
-    assert "checkpoint shape (4, 704, 128), model shape (4, 512, 128)" in mismatch.stderr
+    assert mismatch.stderr.startswith(
+        "error: architecture mismatch: tensor 'decoder.layers.mlp.linear_fc1.weight' has shape "
+        "(4, 704, 128) in the checkpoint, (4, 512, 128) in the model; this config changes the model "
+        "the checkpoint was saved from (model.ffn_hidden_size: 352 -> 256). Fix: set those back"
+    ), mismatch.stderr
+
+    # Taking only the weights names the differing settings too.
+    warm = single_rank(
+        trained["config"], f"checkpoint.init_from={trained['save_dir']}", "model.num_layers=2",
+        "model.num_attention_heads=8", f"logging.run_dir={tmp_path / 'warm'}",
+    )  # fmt: skip
+    assert warm.returncode == EXIT_BAD_INPUT
+    errors = [line for line in warm.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "(model.num_layers: 4 -> 2; model.num_attention_heads: 4 -> 8)" in errors[0]
 
 
 def test_a_finished_run_started_again_says_so_and_trains_nothing(tmp_path, trained):

@@ -53,6 +53,7 @@ from megatron_train.checkpoint.state import (
     read_tensor_metadata,
     record_fields,
     restore_rng,
+    weight_setting_changes,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
 from megatron_train.stopping import STOP_SIGNALS, Decision
@@ -425,7 +426,7 @@ class Checkpointer:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
         common = read_common(path)
         if self.options.finetune or common.get("weights_only"):
-            load_weights(path, model)
+            load_weights(path, model, to_dict(self.cfg))
             # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
             optimizer.reload_model_params()
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
@@ -442,7 +443,12 @@ class Checkpointer:
                 "layout (stop and end-of-run saves are fully_reshardable); or set checkpoint.finetune=true "
                 "to take only its weights"
             )
-        check_architecture(model_state(model), read_tensor_metadata(path))
+        check_architecture(
+            model_state(model),
+            read_tensor_metadata(path),
+            weight_setting_changes(common["config"], to_dict(self.cfg)),
+            ", or start a new run in another logging.run_dir",
+        )
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True, fmt=fmt)
         if saved != now:
             del state["rng_state"]

@@ -29,7 +29,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.safe_load import safe_unpickling
-from megatron_train.config import ExperimentConfig, to_dict
+from megatron_train.config import WEIGHT_SHAPING_KEYS, ExperimentConfig, to_dict
 from megatron_train.errors import ConfigError, reason
 
 # What checkpoints written before the format was recorded hold.
@@ -342,10 +342,21 @@ def _tensors(sharded: dict) -> dict[str, ShardedTensor]:
 _OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 
-def check_architecture(model_sharded: dict, saved: dict[str, ShardedTensor]) -> None:
+def weight_setting_changes(saved: dict, now: dict) -> list[str]:
+    """``model.key: old -> new`` for each setting of :data:`WEIGHT_SHAPING_KEYS` this run's config
+    (``now``) sets otherwise than a checkpoint's (``saved``): what can keep its weights from loading."""
+    old, new = saved.get("model", {}), now["model"]
+    return [f"model.{k}: {old[k]} -> {new[k]}" for k in WEIGHT_SHAPING_KEYS if k in old and old[k] != new[k]]
+
+
+def check_architecture(
+    model_sharded: dict, saved: dict[str, ShardedTensor], changes: list[str], alternative: str = ""
+) -> None:
     """Fail with the first tensor whose global shape differs from the checkpoint's, that the
     checkpoint lacks, or that the checkpoint holds and the model has no place for (untied output
-    weights loaded into a tied model, say: they would be dropped silently)."""
+    weights loaded into a tied model, say: they would be dropped silently). The message names
+    ``changes`` (:func:`weight_setting_changes`) as the settings to set back, and offers
+    ``alternative`` as the other way out."""
     needed = _tensors(model_sharded)
     # A pipeline stage holds only its own tensors; the whole model is what all ranks hold together.
     held = [None] * torch.distributed.get_world_size()
@@ -354,24 +365,32 @@ def check_architecture(model_sharded: dict, saved: dict[str, ShardedTensor]) -> 
     # Optimizer state: "optimizer.*", or "chained_<i>.optimizer.*" per optimizer of a chain (an MoE
     # model's experts have their own) in the dp_reshardable form.
     extra = sorted(k for k in saved if not _OPTIMIZER_KEY.match(k) and k not in everywhere)
+    problem = None
     if extra:
-        raise CheckpointError(
-            f"architecture mismatch: the checkpoint has tensor {extra[0]!r} that the model has no place "
-            "for (different layer count, tied embeddings or bias settings?); load it into a model with "
-            "the same config"
-        )
+        problem = f"the checkpoint has tensor {extra[0]!r} that the model has no place for"
     for key, shard in sorted(needed.items()):
+        if problem:
+            break
         if key not in saved:
-            raise CheckpointError(
-                f"architecture mismatch: the checkpoint has no tensor {key!r} that the model needs "
-                "(different layer count, tied embeddings or bias settings?)"
+            problem = f"the checkpoint has no tensor {key!r} that the model needs"
+        elif tuple(saved[key].global_shape) != tuple(shard.global_shape):
+            problem = (
+                f"tensor {key!r} has shape {tuple(saved[key].global_shape)} in the checkpoint, "
+                f"{tuple(shard.global_shape)} in the model"
             )
-        if tuple(saved[key].global_shape) != tuple(shard.global_shape):
-            raise CheckpointError(
-                f"architecture mismatch at tensor {key!r}: checkpoint shape "
-                f"{tuple(saved[key].global_shape)}, model shape {tuple(shard.global_shape)}; "
-                "load it into a model with the same config"
-            )
+    if problem is None:
+        return
+    if changes:
+        raise CheckpointError(
+            f"architecture mismatch: {problem}; this config changes the model the checkpoint was saved "
+            f"from ({'; '.join(changes)}). Fix: set those back to the checkpoint's values{alternative}"
+        )
+    # No weight-shaping key differs: the vocabulary came from another tokenizer, or the checkpoint's
+    # config was written by another version.
+    raise CheckpointError(
+        f"architecture mismatch: {problem}. Fix: load it into a model with the settings it was saved "
+        f"with (model.vocab_size null takes the size from data.tokenizer){alternative}"
+    )
 
 
 def weights_state(model: list) -> dict:
@@ -394,8 +413,10 @@ def load_model(model: list, loaded: dict) -> None:
             raise CheckpointError(f"the checkpoint's weights do not fit the model: {problems[:5]}")
 
 
-def load_weights(path: Path, model: list) -> None:
-    """Load only the model weights of checkpoint ``path`` (written at any layout) into the chunks."""
+def load_weights(path: Path, model: list, now: dict | None = None) -> None:
+    """Load only the model weights of checkpoint ``path`` (written at any layout) into the chunks;
+    ``now``, the config the model was built from, names what differs when they do not fit."""
     request = weights_state(model)
-    check_architecture(request, read_tensor_metadata(path))
+    changes = weight_setting_changes(read_common(path)["config"], now) if now else []
+    check_architecture(request, read_tensor_metadata(path), changes)
     load_model(model, read_sharded(request, path))
