@@ -160,6 +160,11 @@ def batch_loader(
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=cfg.data.num_workers > 0,
+        # Each iter() draws a seed for its workers from this generator. From torch's default one
+        # (which dropout draws from on a CPU), it would shift that stream, and a resumed run, whose
+        # loaders are made after the checkpoint's RNG states are restored, would drop out other
+        # units than the run it resumes.
+        generator=torch.Generator().manual_seed(cfg.train.seed),
     )
 
 

@@ -72,8 +72,9 @@ def metric_lines(run_dir: Path) -> list[tuple]:
 
 
 # PP and VPP, DP > 1 and expert parallelism (tests/test_slurm.py adds TP2 x PP2 across two nodes).
+# Dropout: the resumed run must draw the same masks from the restored RNG streams.
 EXACT_LAYOUTS = [
-    ("dp2", 2, []),
+    ("dp2-dropout", 2, ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]),
     (
         "pp4vpp2",
         4,
