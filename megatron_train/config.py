@@ -60,18 +60,24 @@ class Check:
     describe: str
 
 
-def split_parts(text: str) -> bool:
-    """Whether ``text`` is a train/valid/test split in parts: up to three non-negative decimal
-    numbers separated by ``,`` or ``/`` with a positive train part (megatron's own parser reads
-    each run of digits and dots as a number, so ``1e2`` would be two, and asserts on the rest)."""
+def split_numbers(text: str) -> list[float]:
+    """The parts of a ``data.split`` such as ``98,2,0`` or ``98/2/0``, in order; ValueError for
+    text that is not decimal numbers separated by ``,`` or ``/``."""
     parts = [part.strip() for part in re.split(r"[,/]", text)]
     if not all(re.fullmatch(r"[.0-9]+", part) for part in parts):
-        return False
+        raise ValueError(f"{text!r} is not numbers separated by , or /")
+    return [float(x) for x in parts]
+
+
+def split_parts(text: str) -> bool:
+    """Whether ``text`` is a train/valid/test split in parts: up to three non-negative decimal
+    numbers (:func:`split_numbers`) with a positive train part (megatron's own parser reads each
+    run of digits and dots as a number, so ``1e2`` would be two, and asserts on the rest)."""
     try:
-        numbers = [float(x) for x in parts]
+        numbers = split_numbers(text)
     except ValueError:
         return False
-    return len(parts) <= 3 and all(math.isfinite(x) and x >= 0 for x in numbers) and numbers[0] > 0
+    return len(numbers) <= 3 and all(math.isfinite(x) and x >= 0 for x in numbers) and numbers[0] > 0
 
 
 PositiveInt = Annotated[int, Range(1)]

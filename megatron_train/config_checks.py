@@ -5,7 +5,6 @@ with a :class:`ConfigError` naming the key to change. No files are looked at her
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 from megatron_train.config import (
@@ -15,6 +14,7 @@ from megatron_train.config import (
     ProfileConfig,
     data_parallel_size,
     decay_end,
+    split_numbers,
 )
 from megatron_train.config_loading import check_fields
 from megatron_train.errors import ConfigError
@@ -58,7 +58,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             )
         # A split with no valid or test part says what valid_blend does (train on all of blend),
         # and is how a command line overrides a config file's split.
-        if "split" in _changed_fields(d) and any(float(x) for x in re.split(r"[,/]", d.split)[1:]):
+        if "split" in _changed_fields(d) and any(split_numbers(d.split)[1:]):
             raise ConfigError(
                 "data.split",
                 f"is {d.split!r}, but with data.valid_blend every dataset is read whole",

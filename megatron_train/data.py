@@ -14,7 +14,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_train import megatron_compat
-from megatron_train.config import DataConfig, ExperimentConfig, split_blends
+from megatron_train.config import DataConfig, ExperimentConfig, split_blends, split_numbers
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import requested_samples
 from megatron_train.tokenizer import load_tokenizer
@@ -70,7 +70,7 @@ def index_count(cfg: ExperimentConfig) -> int:
     blends = split_blends(cfg)
     if cfg.data.valid_blend is not None:
         return sum(len(blend[0]) for blend in blends if blend is not None)
-    splits = sum(1 for part in cfg.data.split.split(",") if float(part) > 0)
+    splits = sum(1 for part in split_numbers(cfg.data.split) if part > 0)
     return len(blends[0][0]) * splits
 
 

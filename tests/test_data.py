@@ -143,8 +143,10 @@ def test_epochs_are_the_passes_megatron_makes(tmp_path, corpus, tokenizer, singl
     assert len(dataset.document_index) == passes * train.sequences
 
 
+# data.split takes either separator (config.split_parts), as megatron-core's own parser does.
+@pytest.mark.parametrize("split", ["80,10,10", "80/10/10"])
 def test_index_progress_counts_every_dataset_built_then_read_from_the_cache(
-    tmp_path, corpus, single_process_group
+    tmp_path, corpus, single_process_group, split
 ):
     prefixes = []
     for name in ("a", "b", "c"):
@@ -153,7 +155,7 @@ def test_index_progress_counts_every_dataset_built_then_read_from_the_cache(
         prefixes += [1.0, str(tmp_path / name)]
     cfg = load_config(
         write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run"),
-        [f"data.blend={json.dumps(prefixes)}", "data.split=80,10,10", "data.build_threads=2"],
+        [f"data.blend={json.dumps(prefixes)}", f"data.split={split}", "data.build_threads=2"],
     )
     assert index_count(cfg) == 9
     for run, counts in ((1, "9 built, 0 from cache"), (2, "0 built, 9 from cache")):
