@@ -223,7 +223,8 @@ def seed_everything(seed: int) -> None:
     """
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
-    np.random.seed(stage_seed)
+    # NumPy's legacy seed stops at 2**32 - 1, which train.seed may be before a stage's offset.
+    np.random.seed(stage_seed % 2**32)
     torch.manual_seed(stage_seed)
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
 
