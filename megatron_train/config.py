@@ -596,6 +596,13 @@ def parse_blend(blend: list[Any], key: str = "data.blend") -> tuple[list[str], l
                 "name each dataset once; to weight it up, give it a larger weight in [weight, prefix, ...]",
             )
         seen[path] = prefix
+    if weights and not math.isfinite(sum(weights)):
+        # megatron-core divides each weight by their sum
+        raise ConfigError(
+            key,
+            f"weights as large as {max(weights):g} add up past the largest float",
+            "give weights as the shares they are, such as [0.7, prefix_a, 0.3, prefix_b]",
+        )
     zero = [p for w, p in zip(weights, prefixes, strict=True) if w == 0] if weights else []
     if zero:
         # megatron-core's blend asserts that every weight is positive

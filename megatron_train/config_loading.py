@@ -97,12 +97,6 @@ def _form(tp: Any) -> str:
 
 
 def _finite(value: Any, key: str) -> float:
-    if isinstance(value, str):
-        # YAML 1.1 reads exponent forms without a dot (``3e-4``) as strings.
-        try:
-            value = float(value)
-        except ValueError:
-            pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(
             key, f"expected a number, got {type(value).__name__} {value!r}", f"set {key} to a number"
@@ -171,7 +165,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(text, "override is not of the form key.sub=value", "write key=value")
     key, raw = text.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else None
+        value = yaml.load(raw, Loader=_ConfigLoader) if raw != "" else None  # noqa: S506 - a SafeLoader
     except yaml.YAMLError:
         value = raw
     except RecursionError:
@@ -179,9 +173,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _ConfigLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one,
-    so a second ``model:`` section would silently replace the first)."""
+    so a second ``model:`` section would silently replace the first), and reading an exponent
+    without a dot (``1e-3``) as the number YAML 1.2 reads, not as the text YAML 1.1 does: as
+    text, a blend's ``[1e-3, a, 1, b]`` would be read as a dataset named ``1e-3``."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = []
@@ -195,6 +191,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.append(key)
         return super().construct_mapping(node, deep)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -211,7 +214,7 @@ def read_yaml(path: str | Path) -> dict:
             "write the config to a file and pass its path",
         )
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        raw = yaml.load(path.read_text(), Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

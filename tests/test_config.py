@@ -27,6 +27,20 @@ def test_good_config_loads_and_validates(good_config):
     validate(load_config(good_config, ["data.seq_length=60", "parallel.context=2"]), world_size=2)
 
 
+def test_numbers_written_as_exponents_without_a_dot_are_numbers(tmp_path, good_config):
+    """YAML 1.1 (PyYAML's) reads ``1e-3`` as text: a blend's weight would be a dataset's name."""
+    text = good_config.read_text()
+    assert "\ntrain:\n" in text
+    config = tmp_path / "exponents.yaml"
+    config.write_text(text.replace("\ntrain:\n", "\ntrain:\n  exit_after_minutes: 5e2\n"))
+    cfg = load_config(config, ["data.blend=[3e-1, /data/a, 7E-1, /data/b]", "optimizer.lr=.5e-3"])
+    assert cfg.data.blend == [0.3, "/data/a", 0.7, "/data/b"]
+    assert (cfg.train.exit_after_minutes, cfg.optimizer.lr) == (500.0, 0.0005)
+    # megatron-core divides each weight by their sum
+    with pytest.raises(ConfigError, match=r"weights as large as 1e\+308 add up past the largest float"):
+        validate(load_config(good_config, ["data.blend=[1e308, /data/a, 1e308, /data/b]"]), world_size=1)
+
+
 BAD_INPUTS = [
     # (overrides, world size, key named in the error)
     (["model.num_layer=3"], 1, "model.num_layer"),
