@@ -349,6 +349,27 @@ def weight_setting_changes(saved: dict, now: dict) -> list[str]:
     return [f"model.{k}: {old[k]} -> {new[k]}" for k in WEIGHT_SHAPING_KEYS if k in old and old[k] != new[k]]
 
 
+def _first_mismatch(
+    needed: dict[str, ShardedTensor], everywhere: set[str], saved: dict[str, ShardedTensor]
+) -> str | None:
+    """The first tensor that keeps a checkpoint (``saved``) from loading into a model whose rank
+    needs ``needed`` and whose ranks together hold ``everywhere``, in words; None if none does."""
+    # Optimizer state: "optimizer.*", or "chained_<i>.optimizer.*" per optimizer of a chain (an MoE
+    # model's experts have their own) in the dp_reshardable form.
+    extra = sorted(k for k in saved if not _OPTIMIZER_KEY.match(k) and k not in everywhere)
+    if extra:
+        return f"the checkpoint has tensor {extra[0]!r} that the model has no place for"
+    for key, shard in sorted(needed.items()):
+        if key not in saved:
+            return f"the checkpoint has no tensor {key!r} that the model needs"
+        if tuple(saved[key].global_shape) != tuple(shard.global_shape):
+            return (
+                f"tensor {key!r} has shape {tuple(saved[key].global_shape)} in the checkpoint, "
+                f"{tuple(shard.global_shape)} in the model"
+            )
+    return None
+
+
 def check_architecture(
     model_sharded: dict, saved: dict[str, ShardedTensor], changes: list[str], alternative: str = ""
 ) -> None:
@@ -361,23 +382,7 @@ def check_architecture(
     # A pipeline stage holds only its own tensors; the whole model is what all ranks hold together.
     held = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(held, sorted(needed))
-    everywhere = set().union(*held)
-    # Optimizer state: "optimizer.*", or "chained_<i>.optimizer.*" per optimizer of a chain (an MoE
-    # model's experts have their own) in the dp_reshardable form.
-    extra = sorted(k for k in saved if not _OPTIMIZER_KEY.match(k) and k not in everywhere)
-    problem = None
-    if extra:
-        problem = f"the checkpoint has tensor {extra[0]!r} that the model has no place for"
-    for key, shard in sorted(needed.items()):
-        if problem:
-            break
-        if key not in saved:
-            problem = f"the checkpoint has no tensor {key!r} that the model needs"
-        elif tuple(saved[key].global_shape) != tuple(shard.global_shape):
-            problem = (
-                f"tensor {key!r} has shape {tuple(saved[key].global_shape)} in the checkpoint, "
-                f"{tuple(shard.global_shape)} in the model"
-            )
+    problem = _first_mismatch(needed, set().union(*held), saved)
     if problem is None:
         return
     if changes:
