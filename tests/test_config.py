@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from megatron_train.config import ConfigError, to_dict
+from megatron_train.config import WEIGHT_SHAPING_KEYS, ConfigError, ModelConfig, to_dict
 from megatron_train.resolve import at_layout, load_config, resolve, validate
 from megatron_train.train import main
 from tests.conftest import ROOT, run_tool, write_config
@@ -39,6 +39,11 @@ def test_numbers_written_as_exponents_without_a_dot_are_numbers(tmp_path, good_c
     # megatron-core divides each weight by their sum
     with pytest.raises(ConfigError, match=r"weights as large as 1e\+308 add up past the largest float"):
         validate(load_config(good_config, ["data.blend=[1e308, /data/a, 1e308, /data/b]"]), world_size=1)
+
+
+def test_the_weight_shaping_keys_are_model_options():
+    # An architecture mismatch reads each of them from both configs.
+    assert set(WEIGHT_SHAPING_KEYS) <= {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 BAD_INPUTS = [
