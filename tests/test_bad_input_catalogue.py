@@ -852,6 +852,13 @@ CASES = [
         "output_layer",
     ),
     Case("fresh-start-over-saved-run", "train", _train("checkpoint.load=none"), "would not continue"),
+    # a rollback that a requeued job's load=auto would have left for the newer checkpoint
+    Case(
+        "rollback-beside-newer-checkpoints",
+        "train",
+        _train("checkpoint.load=WS/run/checkpoints/iter_0000002", "train.steps=6"),
+        "iter_0000002 is older than iter_0000004",
+    ),
     # resumed with checksums asked of a run saved without: it resumed from nothing, over its saves
     Case(
         "resume-verifying-checksums-saved-without",

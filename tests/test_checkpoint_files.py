@@ -132,6 +132,20 @@ def test_explicit_paths_must_be_complete(tmp_path):
         files.resolve_explicit(tmp_path / "empty")
 
 
+def test_a_rollback_beside_newer_checkpoints_is_refused_until_they_are_moved_out(tmp_path):
+    """The rolled-back run's saves would replace the newer checkpoints one at a time, and a
+    requeued job's load=auto would continue the newest, leaving the rollback behind."""
+    older, newest = make_checkpoint(tmp_path, 10), make_checkpoint(tmp_path, 20)
+    make_checkpoint(tmp_path, 30, complete=False)  # a torn one: the newest save replaces it
+    assert files.resolve_load(str(newest), tmp_path).path == newest
+    with pytest.raises(ConfigError, match="iter_0000010 is older than iter_0000020") as err:
+        files.resolve_load(str(older), tmp_path)
+    assert err.value.key == "checkpoint.load"
+    newest.rename(tmp_path.parent / "set-aside")
+    assert files.resolve_load(str(older), tmp_path).path == older
+    assert files.resolve_load("auto", tmp_path).path == older
+
+
 def test_a_run_directory_names_the_checkpoints_in_its_default_save_dir(tmp_path):
     save_dir = tmp_path / "run" / "checkpoints"
     save_dir.mkdir(parents=True)

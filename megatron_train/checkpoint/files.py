@@ -279,13 +279,25 @@ def _refuse_to_start_over_damaged(skipped: list[tuple[Path, str]]) -> None:
 
 
 def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool) -> None:
-    """A start from anything but ``save_dir``'s own checkpoints (fresh weights, another run's, or
-    weights only) would write its steps over the complete checkpoints there and rotate the rest
-    away; a fine-tuning job requeued after its first save would start over from the base model.
-    Rolling back to an older checkpoint of ``save_dir`` itself stays possible."""
-    continues = start is not None and not finetune and start.resolve().parent == Path(save_dir).resolve()
-    if continues or (newest := find_latest_complete(save_dir).path) is None:
+    """A start from anything but ``save_dir``'s own newest checkpoint (fresh weights, another
+    run's, weights only, or an older one of its own) would write its steps over the complete
+    checkpoints there and rotate the rest away; a fine-tuning job requeued after its first save
+    would start over from the base model; and a run rolled back to an older checkpoint would be
+    left behind by the next ``load: auto`` (a requeued job), which continues the newest."""
+    if (newest := find_latest_complete(save_dir).path) is None:
         return
+    inside = start is not None and not finetune and start.resolve().parent == Path(save_dir).resolve()
+    if inside and iteration_of(start) >= iteration_of(newest):
+        return
+    if inside:
+        raise ConfigError(
+            "checkpoint.load",
+            f"{start.name} is older than {newest.name}, the newest complete checkpoint in {save_dir}: "
+            "a run rolled back to it would replace the newer ones as it saves those steps, and the next "
+            "resume with checkpoint.load=auto (a requeued job) would continue them, not it",
+            f"to roll back, move the checkpoints after {start.name} out of {save_dir} and resume with "
+            "checkpoint.load=auto; to go on from the newest, set checkpoint.load=auto",
+        )
     if finetune:
         key, how = "checkpoint.finetune", f"it takes only the weights of {start} and starts again at step 0"
     elif start is None:
