@@ -417,7 +417,8 @@ class CheckpointConfig:
     dir, or a run directory saving to its default ``checkpoints/``) that must exist and be
     complete, or the run stops with an error. A start that would not continue the complete
     checkpoints save_dir already holds (``none``, another run's checkpoint, ``finetune``) is
-    refused rather than overwrite them; an older checkpoint of save_dir itself is a rollback."""
+    refused rather than overwrite them, and so is an older checkpoint of save_dir while newer
+    complete ones are there (to roll back, move those out of save_dir and resume with ``auto``)."""
     finetune: bool = False
     """Load only the model weights from ``load``; optimizer, LR schedule, step and data
     position start fresh."""
