@@ -141,6 +141,9 @@ def test_a_rollback_beside_newer_checkpoints_is_refused_until_they_are_moved_out
     with pytest.raises(ConfigError, match="iter_0000010 is older than iter_0000020") as err:
         files.resolve_load(str(older), tmp_path)
     assert err.value.key == "checkpoint.load"
+    shutil.copytree(older, tmp_path / "best")  # a copy under a name of its own: its record's step
+    with pytest.raises(ConfigError, match="best is older than iter_0000020"):
+        files.resolve_load(str(tmp_path / "best"), tmp_path)
     newest.rename(tmp_path.parent / "set-aside")
     assert files.resolve_load(str(older), tmp_path).path == older
     assert files.resolve_load("auto", tmp_path).path == older
