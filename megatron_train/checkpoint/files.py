@@ -296,8 +296,8 @@ def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool
             f"{start.name} is older than {newest.name}, the newest complete checkpoint in {save_dir}: "
             "a run rolled back to it would replace the newer ones as it saves those steps, and the next "
             "resume with checkpoint.load=auto (a requeued job) would continue them, not it",
-            f"to roll back, move the checkpoints after {start.name} out of {save_dir} and resume with "
-            "checkpoint.load=auto; to go on from the newest, set checkpoint.load=auto",
+            f"to roll back, move the checkpoints after {start.name} out of {save_dir} and start again; "
+            "to go on from the newest, set checkpoint.load=auto",
         )
     if finetune:
         key, how = "checkpoint.finetune", f"it takes only the weights of {start} and starts again at step 0"
