@@ -35,7 +35,8 @@ def load_for_inference(path: Path, cfg: ExperimentConfig, rt: Runtime) -> list[t
     """This rank's model chunk with the weights of checkpoint ``path`` (from
     :func:`checkpoint_config`), in eval mode."""
     chunks = build_chunks(cfg, rt)
-    load_weights(path, chunks)
+    # The config is the checkpoint's own: no setting of it differs.
+    load_weights(path, chunks, [])
     for chunk in chunks:
         chunk.eval()
     return chunks

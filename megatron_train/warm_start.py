@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from megatron_train.checkpoint import files
-from megatron_train.checkpoint.state import load_weights
+from megatron_train.checkpoint.state import load_weights, read_common, weight_setting_changes
 from megatron_train.config import ExperimentConfig, to_dict
 from megatron_train.errors import CheckpointError
 from megatron_train.hf.convert import load_hf_weights
@@ -43,7 +43,7 @@ def load(path: Path, cfg: ExperimentConfig, model: list, optimizer, log: Callabl
     if is_hf_model_dir(path):
         load_hf_weights(model, path, cfg.model, log)
     else:
-        load_weights(path, model, to_dict(cfg))
+        load_weights(path, model, weight_setting_changes(read_common(path)["config"], to_dict(cfg)))
     # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
     optimizer.reload_model_params()
     log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")

@@ -287,8 +287,8 @@ def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool
     if (newest := find_latest_complete(save_dir).path) is None:
         return
     inside = start is not None and not finetune and start.resolve().parent == Path(save_dir).resolve()
-    # A checkpoint copied under another name into save_dir (``best``) has its step in its record.
-    if inside and (iteration_of(start) or read_record(start)["iteration"]) >= iteration_of(newest):
+    # By the step its record holds: a checkpoint copied into save_dir may have a name of its own.
+    if inside and read_record(start)["iteration"] >= iteration_of(newest):
         return
     if inside:
         raise ConfigError(

@@ -424,9 +424,9 @@ class Checkpointer:
 
     def load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
-        common = read_common(path)
+        common, current = read_common(path), to_dict(self.cfg)
         if self.options.finetune or common.get("weights_only"):
-            load_weights(path, model, to_dict(self.cfg))
+            load_weights(path, model, weight_setting_changes(common["config"], current))
             # The optimizer's fp32 main copies were taken from the initial weights (bf16 models).
             optimizer.reload_model_params()
             self.log(f"fine-tuning from the weights of {path} (optimizer and step start fresh)")
@@ -446,7 +446,7 @@ class Checkpointer:
         check_architecture(
             model_state(model),
             read_tensor_metadata(path),
-            weight_setting_changes(common["config"], to_dict(self.cfg)),
+            weight_setting_changes(common["config"], current),
             ", or start a new run in another logging.run_dir",
         )
         state = full_state(model, optimizer, scheduler, Progress(0, 0), {}, is_loading=True, fmt=fmt)
@@ -479,8 +479,8 @@ class Checkpointer:
             f"resumed from {path} at step {progress.iteration} "
             f"({progress.consumed_samples:,} samples, {progress.consumed_tokens:,} tokens consumed; {how})"
         )
-        if changes := config_changes(common["config"], to_dict(self.cfg)):
+        if changes := config_changes(common["config"], current):
             self.log(f"changed since that checkpoint: {'; '.join(changes)}")
-        if note := decay_end_note(common["config"], to_dict(self.cfg)):
+        if note := decay_end_note(common["config"], current):
             self.log(note)
         return progress

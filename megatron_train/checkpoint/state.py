@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -116,10 +117,11 @@ def metadata(cfg: ExperimentConfig, layout: Layout) -> dict:
     return {"version": __version__, "layout": vars(layout), "config": to_dict(cfg)}
 
 
-def config_changes(saved: dict, now: dict) -> list[str]:
+def config_changes(saved: dict, now: dict, only: Collection[str] | None = None) -> list[str]:
     """``key: old -> new`` for each training setting (model, data, optimizer, DDP, train) this run
-    sets otherwise than the checkpoint's config; the layout is reported with the resharding, and
-    logging and checkpoint settings are where a run writes, not how it trains."""
+    sets otherwise than the checkpoint's config, among ``only`` where given; the layout is reported
+    with the resharding, and logging and checkpoint settings are where a run writes, not how it
+    trains."""
 
     def leaves(tree: dict, prefix: str = "") -> dict:
         out = {}
@@ -132,7 +134,17 @@ def config_changes(saved: dict, now: dict) -> list[str]:
 
     sections = ("model", "data", "optimizer", "ddp", "train")
     old, new = (leaves({k: v for k, v in tree.items() if k in sections}) for tree in (saved, now))
-    return [f"{key}: {old[key]} -> {value}" for key, value in new.items() if key in old and old[key] != value]
+    return [
+        f"{key}: {old[key]} -> {value}"
+        for key, value in new.items()
+        if key in old and old[key] != value and (only is None or key in only)
+    ]
+
+
+def weight_setting_changes(saved: dict, now: dict) -> list[str]:
+    """:func:`config_changes` among the settings of :data:`WEIGHT_SHAPING_KEYS`: what can keep a
+    checkpoint's weights from loading into this run's model."""
+    return config_changes(saved, now, only={f"model.{key}" for key in WEIGHT_SHAPING_KEYS})
 
 
 def decay_end_note(saved: dict, now: dict) -> str | None:
@@ -342,13 +354,6 @@ def _tensors(sharded: dict) -> dict[str, ShardedTensor]:
 _OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
 
 
-def weight_setting_changes(saved: dict, now: dict) -> list[str]:
-    """``model.key: old -> new`` for each setting of :data:`WEIGHT_SHAPING_KEYS` this run's config
-    (``now``) sets otherwise than a checkpoint's (``saved``): what can keep its weights from loading."""
-    old, new = saved.get("model", {}), now["model"]
-    return [f"model.{k}: {old[k]} -> {new[k]}" for k in WEIGHT_SHAPING_KEYS if k in old and old[k] != new[k]]
-
-
 def _first_mismatch(
     needed: dict[str, ShardedTensor], everywhere: set[str], saved: dict[str, ShardedTensor]
 ) -> str | None:
@@ -418,10 +423,9 @@ def load_model(model: list, loaded: dict) -> None:
             raise CheckpointError(f"the checkpoint's weights do not fit the model: {problems[:5]}")
 
 
-def load_weights(path: Path, model: list, now: dict | None = None) -> None:
+def load_weights(path: Path, model: list, changes: list[str]) -> None:
     """Load only the model weights of checkpoint ``path`` (written at any layout) into the chunks;
-    ``now``, the config the model was built from, names what differs when they do not fit."""
+    ``changes`` (:func:`weight_setting_changes`) are named if they do not fit."""
     request = weights_state(model)
-    changes = weight_setting_changes(read_common(path)["config"], now) if now else []
     check_architecture(request, read_tensor_metadata(path), changes)
     load_model(model, read_sharded(request, path))
