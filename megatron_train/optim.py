@@ -12,7 +12,10 @@ from megatron_train.config import ExperimentConfig, decay_end
 def build_optimizer(
     cfg: ExperimentConfig, model_chunks: list, dtype: torch.dtype
 ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
-    """Adam over the model chunks and its LR / weight-decay schedule (stepped in samples)."""
+    """Adam over the model chunks and its LR / weight-decay schedule, counted in optimizer steps:
+    the config gives warmup, decay and length in steps, so a resume that changes
+    ``train.global_batch_size`` keeps them there (megatron counts samples, which would move the
+    decay's end to another step)."""
     o, t = cfg.optimizer, cfg.train
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
@@ -30,7 +33,6 @@ def build_optimizer(
         ),
         model_chunks,
     )
-    gbs = t.global_batch_size
     end = decay_end(cfg)
     wsd_steps = o.wsd_decay_steps if o.wsd_decay_steps is not None else max(1, end // 10)
     scheduler = OptimizerParamScheduler(
@@ -38,14 +40,14 @@ def build_optimizer(
         init_lr=0.0,
         max_lr=o.lr,
         min_lr=o.min_lr,
-        lr_warmup_steps=o.warmup_steps * gbs,
-        lr_decay_steps=end * gbs,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=end,
         lr_decay_style=o.decay_style,
         start_wd=o.weight_decay,
         end_wd=o.weight_decay,
-        wd_incr_steps=t.steps * gbs,
+        wd_incr_steps=t.steps,
         wd_incr_style="constant",
-        wsd_decay_steps=wsd_steps * gbs if o.decay_style == "WSD" else None,
+        wsd_decay_steps=wsd_steps if o.decay_style == "WSD" else None,
         lr_wsd_decay_style="linear" if o.decay_style == "WSD" else None,
         # On resume the config, not the checkpoint, decides the schedule's shape (a changed lr or
         # step count takes effect); the step counter always comes from the checkpoint.

@@ -106,9 +106,7 @@ class Stepper:
     def __init__(self, cfg: ExperimentConfig, model, optimizer, scheduler, device: torch.device) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         t = cfg.train
-        self.seq_length, self.micro_batch_size, self.global_batch_size = (
-            cfg.data.seq_length, t.micro_batch_size, t.global_batch_size,
-        )  # fmt: skip
+        self.seq_length, self.micro_batch_size = cfg.data.seq_length, t.micro_batch_size
         dp = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
         self.device = device
@@ -146,7 +144,7 @@ class Stepper:
         losses = self._run_schedule(data_iterators, False, self.num_microbatches)
         update_successful, grad_norm, _ = self.optimizer.step()
         if update_successful:
-            self.scheduler.step(increment=self.global_batch_size)
+            self.scheduler.step(increment=1)
         return StepResult(
             loss=_global_mean_loss(losses, self.device),
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),

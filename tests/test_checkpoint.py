@@ -510,9 +510,13 @@ def test_a_finished_run_started_again_says_so_and_trains_nothing(tmp_path, train
     assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_0000002", "iter_0000004"]
 
 
-def test_tokens_are_counted_on_across_a_resume_that_changes_batch_and_sequence(tmp_path, trained):
+def test_a_resume_that_changes_batch_and_sequence_counts_tokens_on_and_keeps_the_lr_in_steps(
+    tmp_path, trained
+):
     """A resumed run may change the batch (as a batch-size ramp does) and the sequence length; the
-    token count goes on from the checkpoint's own, not from step x tokens per step."""
+    token count goes on from the checkpoint's own, not from step x tokens per step, and the
+    learning rate follows the schedule's steps. Before, megatron's scheduler counted samples at
+    the new batch size: the decay would have ended at step 10 (96 samples), not at train.steps=6."""
     run = tmp_path / "run"
     shutil.copytree(trained["run"], run)
     result = single_rank(
@@ -523,6 +527,10 @@ def test_tokens_are_counted_on_across_a_resume_that_changes_batch_and_sequence(t
     assert "(32 samples, 2,048 tokens consumed;" in result.stdout
     tokens = {r["step"]: r["consumed_tokens"] for r in records(run) if "consumed_tokens" in r}
     assert tokens[4] == 4 * 8 * 64 and tokens[5] == tokens[4] + 16 * 48 and tokens[6] == tokens[5] + 16 * 48
+    lrs = {r["step"]: r["lr"] for r in records(run) if "lr" in r}
+    # warmup 2, cosine to step 6: step 5 is three quarters of the way
+    assert lrs[5] == pytest.approx(3e-5 + (1e-3 - 3e-5) * 0.5 * (1 + math.cos(math.pi * 3 / 4)), rel=1e-6)
+    assert lrs[6] == pytest.approx(3e-5, rel=1e-6), lrs
     # A checkpoint written before tokens were counted: its samples at its own sequence length.
     assert Progress.saved({"iteration": 4, "consumed_samples": 32}, 64) == Progress(4, 32, 0, 2048)
 

@@ -53,6 +53,7 @@ from megatron_train.checkpoint.state import (
     read_tensor_metadata,
     record_fields,
     restore_rng,
+    scheduler_state,
     weight_setting_changes,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
@@ -466,8 +467,8 @@ class Checkpointer:
                 f"gradient buckets ({err}); resume with the ddp.bucket_size it was saved with, or "
                 "from an end-of-run or stop save"
             ) from err
-        scheduler.load_state_dict(loaded["scheduler"])
         progress = Progress.saved(loaded["progress"], common["config"]["data"]["seq_length"])
+        scheduler.load_state_dict(scheduler_state(loaded["scheduler"], progress))
         if saved == now:
             restore_rng(loaded["rng_state"])
             how = "same layout, RNG states restored"

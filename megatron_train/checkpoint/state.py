@@ -323,6 +323,13 @@ def load_optimizer(optimizer, loaded: dict) -> None:
         group.update(hyperparameters)
 
 
+def scheduler_state(saved: dict, progress: Progress) -> dict:
+    """A checkpoint's scheduler state counted in optimizer steps, as :func:`build_optimizer` counts
+    them: the steps that updated the weights (a skipped step leaves the schedule where it was).
+    Checkpoints written before counted samples there."""
+    return {**saved, "num_steps": progress.iteration - progress.skipped_steps}
+
+
 def full_state(
     model: list, optimizer, scheduler, progress: Progress, common: dict, is_loading: bool, fmt: str
 ) -> dict:
