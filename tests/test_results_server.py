@@ -47,3 +47,23 @@ def test_the_server_ends_with_a_parent_that_was_killed():
     parent.kill()
     parent.wait()
     server.wait(timeout=10)  # psutil.TimeoutExpired if it outlived its parent
+
+
+def test_a_stop_signal_while_the_server_starts_does_not_end_it(monkeypatch):
+    """A save-and-stop signal sent to the process group as the server's interpreter starts, before
+    it ignores the signal: it waits, blocked, instead of ending the server (whose start then
+    failed with a traceback, in the thread that starts it during the first training steps)."""
+    popen = subprocess.Popen
+
+    def signalled_at_start(*args, **kwargs):
+        process = popen(*args, **kwargs)
+        os.kill(process.pid, signal.SIGTERM)
+        return process
+
+    monkeypatch.setattr(results_server.subprocess, "Popen", signalled_at_start)
+    server = results_server.start((signal.SIGTERM, signal.SIGINT))
+    try:
+        assert server.running()
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # ours is unchanged
+    finally:
+        server.stop()

@@ -65,10 +65,16 @@ def start(ignored_signals: tuple[signal.Signals, ...]) -> ResultsServer:
     # An abstract socket: no file to remove, whichever way the processes end.
     address = f"\0megatron-train-results-{os.getpid()}-{secrets.token_hex(8)}"
     authkey = secrets.token_bytes(32)
-    process = subprocess.Popen(
-        [sys.executable, "-I", __file__, *(s.name for s in ignored_signals)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    # Blocked here, the signals stay blocked in the child through exec until it ignores them: one
+    # that reaches it while its interpreter starts waits instead of ending it before it listens.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ignored_signals)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-I", __file__, *(s.name for s in ignored_signals)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     process.stdin.write(f"{address[1:]}\n{authkey.hex()}\n")  # argv cannot hold the NUL
     process.stdin.close()
     if process.stdout.readline() != "listening\n":
@@ -87,8 +93,10 @@ def _exit_with(parent: int) -> None:
 
 
 def _serve(ignored: list[str]) -> None:
-    for name in ignored:
-        signal.signal(signal.Signals[name], signal.SIG_IGN)
+    signals = [signal.Signals[name] for name in ignored]
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     address = "\0" + sys.stdin.readline().rstrip("\n")
     authkey = bytes.fromhex(sys.stdin.readline())
