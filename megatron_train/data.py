@@ -75,10 +75,15 @@ def index_count(cfg: ExperimentConfig) -> int:
 
 
 def build_datasets(
-    cfg: ExperimentConfig, cache_dir: str, progress: IndexProgress | None = None
+    cfg: ExperimentConfig,
+    cache_dir: str,
+    progress: IndexProgress | None = None,
+    consumed_samples: int = 0,
+    steps_done: int = 0,
 ) -> tuple[GPTDataset, GPTDataset | None]:
-    """The blended train and validation datasets, sized for the whole run; ``progress`` hears
-    of each dataset index as it is built or read."""
+    """The blended train and validation datasets, sized for the whole run (a resumed one: the
+    ``consumed_samples`` of its ``steps_done`` steps and the rest); ``progress`` hears of each
+    dataset index as it is built or read."""
     dataset_config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.data.seq_length,
@@ -97,7 +102,9 @@ def build_datasets(
         # Attention is causal by construction (SDPA is_causal / TE's causal mask type).
         create_attention_mask=False,
     )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, requested_samples(cfg), lambda: True, dataset_config)
+    builder = BlendedMegatronDatasetBuilder(
+        GPTDataset, requested_samples(cfg, consumed_samples, steps_done), lambda: True, dataset_config
+    )
     with progress.watching() if progress else contextlib.nullcontext():
         train, valid, _ = builder.build()
     return train, valid

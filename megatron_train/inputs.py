@@ -196,12 +196,14 @@ def check_splits_hold_a_sample(sizes: dict[str, list[SplitSize | None]], d: Data
     )
 
 
-def requested_samples(cfg: ExperimentConfig) -> list[int]:
+def requested_samples(cfg: ExperimentConfig, consumed_samples: int = 0, steps_done: int = 0) -> list[int]:
     """The samples a run asks of its blend, per split (train, valid, test): every step's, and one
-    evaluation's (each evaluation reads the same ones)."""
+    evaluation's (each evaluation reads the same ones). A run resumed after ``steps_done`` steps
+    that read ``consumed_samples`` asks for those and its remaining steps' (a resume that lowers
+    ``train.global_batch_size`` reads more than ``train.steps`` of the new batches)."""
     t = cfg.train
     valid = t.eval_steps * t.global_batch_size if t.eval_interval > 0 else 0
-    return [t.steps * t.global_batch_size, valid, 0]
+    return [consumed_samples + (t.steps - steps_done) * t.global_batch_size, valid, 0]
 
 
 def epochs(samples: int, seq_length: int, tokens: int) -> int:

@@ -209,7 +209,9 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
                 log.info(f"data cache: rebuilding what an earlier build cut short (removed {names})")
             data_cache.record(cache_dir, list(data_prefixes(cfg.data)))
         torch.distributed.barrier()
-        train_ds, valid_ds = data.build_datasets(cfg, str(cache_dir), indices)
+        train_ds, valid_ds = data.build_datasets(
+            cfg, str(cache_dir), indices, progress.consumed_samples, progress.iteration
+        )
     log.info(
         f"datasets ready in {time.perf_counter() - started:.1f} s (indices: {indices.summary()}): "
         f"{len(train_ds):,} training samples, {len(valid_ds) if valid_ds else 0:,} validation samples"

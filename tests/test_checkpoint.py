@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -564,6 +565,30 @@ def test_a_resume_trains_with_the_optimizer_settings_its_config_changed(tmp_path
             (0.9, 0.9),
             1e-6,
         )
+
+
+def test_a_resume_that_lowers_the_batch_reads_on_past_the_new_batches_times_the_steps(tmp_path, corpus):
+    """4 steps of 16 samples, then resumed to step 12 with batches of 4: the run reads 64 + 8 x 4
+    = 96 samples. The dataset was sized for train.steps x the new batch (48, fewer than were already
+    read), and a small dataset ran out mid-run: a StopIteration traceback from the data loader."""
+    docs = [line for line in corpus["jsonl"].read_text().splitlines() if len(line) > 2000][:3]
+    (tmp_path / "small.jsonl").write_text("\n".join(docs) + "\n")
+    run_tool(
+        "tools/preprocess_data.py", "--input", str(tmp_path / "small.jsonl"), "--output-prefix",
+        str(tmp_path / "small"), "--tokenizer", str(corpus["tokenizer"]),
+    )  # fmt: skip
+    run = tmp_path / "run"
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, run, data={"blend": [str(tmp_path / "small")], "split": "100,0,0"},
+        train={"steps": 4, "global_batch_size": 16, "eval_interval": 0},
+    )  # fmt: skip
+    first = single_rank(config)
+    assert first.returncode == 0, first.stderr[-3000:]
+    samples = int(re.search(r"([\d,]+) training samples", first.stdout).group(1).replace(",", ""))
+    assert 64 <= samples < 96, "the dataset covers the first run, not the whole one"
+    resumed = single_rank(config, "train.steps=12", "train.global_batch_size=4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in records(run) if "loss" in r][-1] == 12
 
 
 @pytest.mark.parametrize("decay_steps", [None, 4])
