@@ -29,6 +29,13 @@ from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
 # The exit codes a rank gives after reporting for itself.
 _REPORTED = (EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY)
 
+# torchrun's own signals and SIGUSR1, which our ranks stop on after a save as on SIGTERM (Slurm's
+# pre-timeout signal): torchrun alone dies of it and leaves its ranks training without it.
+_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# How long the agent waits for the ranks it passed a stop signal to before it kills them. Each
+# exits once its stop save is recorded; torchrun's 30 s tore the saves of larger models.
+_SHUTDOWN_TIMEOUT_S = 600
+
 
 class _QuietReportedExits(logging.Filter):
     """Drops the agent's lines about ending the ranks: "failed (exitcode: N)" for the codes ranks
@@ -68,7 +75,9 @@ def failure_line(err: ChildFailedError) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """torchrun's arguments, with a usage mistake as one line (torchrun prints its whole usage)."""
+    """torchrun's arguments, with a usage mistake as one line (torchrun prints its whole usage),
+    and our defaults for the signals passed on to the ranks and the wait for them to stop (each
+    still set by torchrun's flag or its variable)."""
     parser = get_args_parser()
 
     def usage_error(message: str) -> NoReturn:
@@ -76,6 +85,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         sys.exit(cli.EXIT_BAD_INPUT)
 
     parser.error = usage_error
+    if "PET_SIGNALS_TO_HANDLE" not in os.environ:
+        parser.set_defaults(signals_to_handle=_SIGNALS_TO_HANDLE)
+    if not {"PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"} & set(os.environ):
+        parser.set_defaults(shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
     return parser.parse_args(argv)
 
 

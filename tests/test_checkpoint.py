@@ -222,6 +222,24 @@ def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_p
     assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 3))
 
 
+def test_sigusr1_to_the_local_launcher_saves_and_stops_every_rank(tmp_path, corpus):
+    """launch/local.sh's launcher passes SIGUSR1 (Slurm's pre-timeout signal) on to the ranks,
+    which save and stop; plain torchrun died of it at once and its ranks trained on without it."""
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
+    )
+    log = tmp_path / "run.log"
+    cmd = torchrun_command(2, config)
+    proc = start([sys.executable, "-m", "megatron_train.torchrun", *cmd[3:]], log)
+    wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=120) == 128 + signal.SIGUSR1
+    text = log.read_text()
+    assert "on signal SIGUSR1" in text and "stopped early (checkpoint saved)" in text, text[-3000:]
+    save_dir = tmp_path / "run" / "checkpoints"
+    files.verify(files.iteration_dir(save_dir, int((save_dir / files.TRACKER).read_text())), checksums=True)
+
+
 def test_a_second_start_in_a_running_run_is_refused_and_sigusr1_saves_with_code_3(tmp_path, corpus):
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run",
