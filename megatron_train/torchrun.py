@@ -33,7 +33,7 @@ _REPORTED = (EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY)
 # pre-timeout signal): torchrun alone dies of it and leaves its ranks training without it.
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # How long the agent waits for the ranks it passed a stop signal to before it kills them. Each
-# exits once its stop save is recorded; torchrun's 30 s tore the saves of larger models.
+# exits once its stop save is recorded; torchrun's SIGKILL after 30 s tears a longer save.
 _SHUTDOWN_TIMEOUT_S = 600
 
 
