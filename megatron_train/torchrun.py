@@ -32,9 +32,6 @@ _REPORTED = (EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY)
 # torchrun's own signals and SIGUSR1, which our ranks stop on after a save as on SIGTERM (Slurm's
 # pre-timeout signal): torchrun alone dies of it and leaves its ranks training without it.
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-# How long the agent waits for the ranks it passed a stop signal to before it kills them. Each
-# exits once its stop save is recorded; torchrun's SIGKILL after 30 s tears a longer save.
-_SHUTDOWN_TIMEOUT_S = 600
 
 
 class _QuietReportedExits(logging.Filter):
@@ -76,8 +73,7 @@ def failure_line(err: ChildFailedError) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """torchrun's arguments, with a usage mistake as one line (torchrun prints its whole usage),
-    and our defaults for the signals passed on to the ranks and the wait for them to stop (each
-    still set by torchrun's flag or its variable)."""
+    and SIGUSR1 among the signals passed on to the ranks unless torchrun's variable names them."""
     parser = get_args_parser()
 
     def usage_error(message: str) -> NoReturn:
@@ -87,8 +83,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.error = usage_error
     if "PET_SIGNALS_TO_HANDLE" not in os.environ:
         parser.set_defaults(signals_to_handle=_SIGNALS_TO_HANDLE)
-    if not {"PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"} & set(os.environ):
-        parser.set_defaults(shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
     return parser.parse_args(argv)
 
 
