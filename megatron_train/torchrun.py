@@ -29,10 +29,6 @@ from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
 # The exit codes a rank gives after reporting for itself.
 _REPORTED = (EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY)
 
-# torchrun's own signals and SIGUSR1, which our ranks stop on after a save as on SIGTERM (Slurm's
-# pre-timeout signal): torchrun alone dies of it and leaves its ranks training without it.
-_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-
 
 class _QuietReportedExits(logging.Filter):
     """Drops the agent's lines about ending the ranks: "failed (exitcode: N)" for the codes ranks
@@ -81,8 +77,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         sys.exit(cli.EXIT_BAD_INPUT)
 
     parser.error = usage_error
+    # Our ranks stop after a save on SIGUSR1 (Slurm's pre-timeout signal) as on SIGTERM; torchrun
+    # alone dies of it and leaves its ranks training without it.
     if "PET_SIGNALS_TO_HANDLE" not in os.environ:
-        parser.set_defaults(signals_to_handle=_SIGNALS_TO_HANDLE)
+        parser.set_defaults(signals_to_handle=parser.get_default("signals_to_handle") + ",SIGUSR1")
     return parser.parse_args(argv)
 
 
