@@ -413,10 +413,16 @@ def _validate_mlp_recompute(m: ModelConfig) -> None:
             "'moe' and 'shared_experts' recompute a mixture-of-experts layer, and this model is dense",
             "use 'mlp'",
         )
-    if "shared_experts" in modules and ("moe" in modules or not m.moe_shared_expert_ffn_hidden_size):
+    if "shared_experts" in modules and "moe" in modules:
         raise ConfigError(
             "model.recompute_modules",
-            "'shared_experts' needs a shared expert (model.moe_shared_expert_ffn_hidden_size) and is "
-            "part of 'moe' already",
-            "list 'moe' alone, or 'shared_experts' for a model with a shared expert",
+            "'shared_experts' is part of 'moe' already",
+            "list 'moe' for the whole expert layer, or 'shared_experts' for its shared expert alone",
+        )
+    if "shared_experts" in modules and not m.moe_shared_expert_ffn_hidden_size:
+        raise ConfigError(
+            "model.recompute_modules",
+            "'shared_experts' needs a shared expert, and this model has none "
+            "(model.moe_shared_expert_ffn_hidden_size is unset)",
+            "use 'moe', or set model.moe_shared_expert_ffn_hidden_size",
         )

@@ -103,6 +103,16 @@ BAD_INPUTS = [
         "model.recompute_modules",
     ),
     (
+        [
+            "model.preset=qwen3-moe-tiny",
+            "model.moe_shared_expert_ffn_hidden_size=64",
+            "model.recompute=selective",
+            "model.recompute_modules=[moe,shared_experts]",
+        ],
+        1,
+        "model.recompute_modules",
+    ),
+    (
         ["model.recompute=full", "model.recompute_num_layers=3", "parallel.pipeline=2"],
         2,
         "model.recompute_num_layers",
