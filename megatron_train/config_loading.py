@@ -161,9 +161,10 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``a.b=value`` into its key path and YAML-parsed value."""
-    if "=" not in text:
+    key, _, raw = text.partition("=")
+    # An empty name ("=5", "model..x=1") would be reported as an unknown key ''.
+    if "=" not in text or not all(part.strip() for part in key.split(".")):
         raise ConfigError(text, "override is not of the form key.sub=value", "write key=value")
-    key, raw = text.split("=", 1)
     try:
         value = yaml.load(raw, Loader=_ConfigLoader) if raw != "" else None  # noqa: S506 - a SafeLoader
     except yaml.YAMLError:

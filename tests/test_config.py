@@ -49,6 +49,9 @@ def test_the_weight_shaping_keys_are_model_options():
 BAD_INPUTS = [
     # (overrides, world size, key named in the error)
     (["model.num_layer=3"], 1, "model.num_layer"),
+    # an override with an empty name is malformed, not an unknown key ''
+    (["=5"], 1, "=5"),
+    (["model..num_layers=3"], 1, "model..num_layers=3"),
     (["train.steps=ten"], 1, "train.steps"),
     (["parallel.tensor=3"], 8, "parallel.tensor"),
     (
