@@ -586,7 +586,8 @@ def parse_blend(blend: list[Any], key: str = "data.blend") -> tuple[list[str], l
         prefixes, weights = list(blend[1::2]), [float(w) for w in blend[::2]]
     seen: dict[str, str] = {}
     for prefix in prefixes:
-        path = os.path.abspath(prefix)  # normalised too: a/../a/x is a/x
+        # Normalised (a/../a/x is a/x) and through symbolic links, of the folders or of the .bin.
+        path = os.path.realpath(f"{prefix}.bin")
         if path in seen:
             # Both entries shuffle the same documents with the same seed: every sample comes twice.
             first = seen[path]

@@ -217,6 +217,11 @@ def _small_data(docs: int, tokens: int, token_id: int = 5) -> Callable[[Path, st
     return setup
 
 
+def _corpus_link(ws: Path, case_id: str) -> None:
+    """A symbolic link to the corpus folder: the same dataset at another path."""
+    _case(ws, case_id).symlink_to(ws / "corpus", target_is_directory=True)
+
+
 def _bare_venv(ws: Path, case_id: str) -> None:
     """A Python environment without the training stack (a system or another project's python)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(_case(ws, case_id))], check=True)
@@ -529,6 +534,13 @@ CASES = [
         "train",
         _train("data.blend=[0.7, WS/corpus/stdlib, 0.3, WS/corpus/../corpus/stdlib]"),
         "named twice",
+    ),
+    Case(
+        "blend-twice-via-link",
+        "train",
+        _train("data.blend=[0.7, WS/corpus/stdlib, 0.3, WS/cases/blend-twice-via-link/stdlib]"),
+        "named twice",
+        setup=_corpus_link,
     ),
     Case("blend-missing-idx", "train", _train("data.blend=[WS/corpus/nothing]"), "does not exist"),
     Case("blend-names-the-bin", "train", _train("data.blend=[WS/corpus/stdlib.bin]"), "drop the suffix"),
