@@ -320,9 +320,10 @@ class DataConfig:
     build_threads: PositiveInt = 1
     """Threads building the blend's dataset indices (megatron's ``num_dataset_builder_threads``);
     a blend of many datasets on a parallel filesystem builds faster with 4-8."""
-    build_timeout_minutes: PositiveFloat = 120.0
+    build_timeout_minutes: Annotated[float, Range(0, 525600, low_open=True)] = 120.0
     """How long the other ranks wait while rank 0 builds the dataset index (the first run over a
-    large blend can take far longer than the collective timeout of training)."""
+    large blend can take far longer than the collective timeout of training); at most a year,
+    beyond which torch's timeouts overflow."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """The tokenizer the data was preprocessed with."""
 

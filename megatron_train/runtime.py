@@ -184,6 +184,9 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     return Runtime(env.rank, env.world_size, device, compute_dtype(cfg))
 
 
+_MINUTES_A_YEAR = 365 * 24 * 60
+
+
 def collective_timeout() -> datetime.timedelta:
     """How long a collective may wait before the job fails: ``$MEGATRON_TRAIN_DIST_TIMEOUT_MIN``
     minutes (10, as torch's NCCL default), so a hung rank ends the job instead of its allocation."""
@@ -192,10 +195,12 @@ def collective_timeout() -> datetime.timedelta:
         minutes = float(text)
     except ValueError:
         minutes = math.nan
-    if not (math.isfinite(minutes) and minutes > 0):
+    # Far longer than any job; torch's rendezvous overflows past a few hundred years, and Python's
+    # timedelta past 1.4e12 minutes.
+    if not (math.isfinite(minutes) and 0 < minutes <= _MINUTES_A_YEAR):
         raise ConfigError(
             "MEGATRON_TRAIN_DIST_TIMEOUT_MIN",
-            f"{text!r} is not a number of minutes above 0",
+            f"{text!r} is not a number of minutes above 0 and at most a year ({_MINUTES_A_YEAR:,})",
             "set it to how long a collective may wait, e.g. 10",
         )
     return datetime.timedelta(minutes=minutes)

@@ -813,6 +813,13 @@ CASES = [
         env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "ten"},
     ),
     Case(
+        "launch-timeout-past-a-timedelta",
+        "train",
+        _train(),
+        "at most a year",
+        env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "1e13"},
+    ),
+    Case(
         "launch-exit-status-folder-missing",
         "train",
         _train(FRESH),
