@@ -122,8 +122,8 @@ class ModelConfig:
     default is 128; more than 65536 rows of padding is a mistake."""
     norm_eps: PositiveFloat = 1e-5
     """RMSNorm epsilon."""
-    rotary_base: PositiveInt = 10000
-    """RoPE base (theta)."""
+    rotary_base: Annotated[int, Range(1, 2**63 - 1)] = 10000
+    """RoPE base (theta); at most torch's largest integer, which megatron-core raises to powers."""
     rope_scaling: bool = False
     """Apply Llama-3.1-style RoPE frequency scaling."""
     rope_scaling_factor: Annotated[float, Range(1)] = 8.0
