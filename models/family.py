@@ -7,6 +7,7 @@ these callables, so training, conversion, preflight and metrics stay family-agno
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -114,7 +115,8 @@ class Family:
         """Parameter counts by stage, from :attr:`tensors` (tied embeddings counted once)."""
         totals = {"first": 0, "layers": 0, "last": 0, "experts": 0}
         for tensor in self.tensors(m):
-            numel = torch.Size(tensor.shape).numel() * max(tensor.experts, 1)
+            # Python's integers: a torch.Size of a mistyped size overflows its int64.
+            numel = math.prod(tensor.shape) * max(tensor.experts, 1)
             totals[tensor.place] += numel
             totals["experts"] += numel if tensor.experts else 0
         return ParameterCount(

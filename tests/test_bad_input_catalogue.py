@@ -502,6 +502,13 @@ CASES = [
         "GiB each rank has",
     ),
     Case(
+        # a size past int64, which a torch.Size of the parameter count overflowed
+        "model-experts-past-int64",
+        "train",
+        _train("model.preset=qwen3-moe-tiny", "model.num_experts=1000000000000000000000", FRESH),
+        "GiB each rank has",
+    ),
+    Case(
         "micro-batch-beyond-memory",
         "train",
         _train("train.micro_batch_size=200000", "train.global_batch_size=200000", FRESH),
