@@ -1321,6 +1321,22 @@ CASES = [
         "config.json num_key_value_heads: 0 is out of range",
         _hf_copy(_edit_hf_config(lambda c: c.update(num_key_value_heads=0))),
     ),
+    # a damaged config.json: ten million layers took minutes and 12 GB to plan before a missing
+    # tensor was named, and a size past int64 overflowed torch in a traceback
+    Case(
+        "import-hf-layers-beyond-the-weights",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-layers-beyond-the-weights/hf", "--out", "WS/cases/o"),
+        "describes 10,000,000 layers",
+        _hf_copy(_edit_hf_config(lambda c: c.update(num_hidden_layers=10_000_000))),
+    ),
+    Case(
+        "import-hf-size-past-int64",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-size-past-int64/hf", "--out", "WS/cases/o"),
+        "beyond what torch can hold",
+        _hf_copy(_edit_hf_config(lambda c: c.update(intermediate_size=10**21))),
+    ),
     # older Hugging Face repositories hold pickled weights only; the error says how to re-save them
     Case(
         "import-hf-bin-weights-only",

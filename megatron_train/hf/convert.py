@@ -114,6 +114,7 @@ def _check_outside(out: Path, source: Path, what: str) -> None:
 def _check_weights(weights: HFWeights, family: Family, m: ModelConfig, log: Callable[[str], None]) -> None:
     """The stored tensors hold the model config.json describes; the ones it does not take are named,
     as transformers names the weights it leaves out of a model."""
+    weights.check_counts(m.num_layers, m.num_experts)
     expected = hf_shapes(family, m)
     weights.check_shapes(expected)
     unused = weights.unused(expected)

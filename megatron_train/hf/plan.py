@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_train.config import ModelConfig
+from megatron_train.errors import ConversionError
 from megatron_train.models.family import Family, Index
 
 
@@ -24,8 +25,17 @@ def export_plan(family: Family, m: ModelConfig) -> list[tuple[str, Index, list[s
 def hf_shapes(family: Family, m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every transformers tensor's shape, from ``to_hf`` on meta tensors (no memory, no I/O)."""
     shapes = {t.key: t.shape for t in family.tensors(m)}
+    meta = {}
+    for key, shape in shapes.items():
+        try:
+            meta[key] = torch.empty(shape, device="meta")
+        except (RuntimeError, ValueError, TypeError, OverflowError):  # past int64: a damaged config.json
+            raise ConversionError(
+                f"config.json describes a tensor of shape {shape}, beyond what torch can hold: it describes "
+                "no model that exists; correct config.json, or download the model again"
+            ) from None
     return {
         name: tuple(tensor.shape)
         for key, index, _ in export_plan(family, m)
-        for name, tensor in family.to_hf(m, key, index, torch.empty(shapes[key], device="meta")).items()
+        for name, tensor in family.to_hf(m, key, index, meta[key]).items()
     }

@@ -120,6 +120,21 @@ class HFWeights:
             )
         return tensor
 
+    def check_counts(self, layers: int, experts: int | None) -> None:
+        """config.json describes no more layers, or experts in a layer, than the weights number (names
+        only). Run before any shape is planned: a damaged config.json's ten million layers took
+        minutes and 12 GB to plan before the first missing tensor was named."""
+        stored = _numbered_counts(self.weight_map)
+        for kind, described in (("layers", layers), ("experts", experts)):
+            held = max((count for prefix, count in stored.items() if prefix.endswith(f".{kind}")), default=0)
+            # Experts stored fused, not numbered, are left to the shape check.
+            if described is not None and described > held and (held or kind == "layers"):
+                raise ConversionError(
+                    f"config.json describes {described:,} {kind}, but {self.dir} holds {held:,}: "
+                    "the weights and config.json belong to different models (or a download is "
+                    "incomplete); download the model again"
+                )
+
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every expected tensor is stored with the expected shape, and no layer or expert beyond
         the expected ones is stored (headers only)."""
