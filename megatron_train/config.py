@@ -84,6 +84,8 @@ PositiveInt = Annotated[int, Range(1)]
 NonNegativeInt = Annotated[int, Range(0)]
 PositiveFloat = Annotated[float, Range(0, low_open=True)]
 NonNegativeFloat = Annotated[float, Range(0)]
+MINUTES_A_YEAR = 365 * 24 * 60
+"""The longest timeout taken: far past any job, and short of where torch's timeouts overflow."""
 Probability = Annotated[float, Range(0, 1, high_open=True)]
 FilePath = Annotated[str, Check(lambda text: bool(text.strip()), "a non-empty path")]
 
@@ -320,7 +322,7 @@ class DataConfig:
     build_threads: PositiveInt = 1
     """Threads building the blend's dataset indices (megatron's ``num_dataset_builder_threads``);
     a blend of many datasets on a parallel filesystem builds faster with 4-8."""
-    build_timeout_minutes: Annotated[float, Range(0, 525600, low_open=True)] = 120.0
+    build_timeout_minutes: Annotated[float, Range(0, MINUTES_A_YEAR, low_open=True)] = 120.0
     """How long the other ranks wait while rank 0 builds the dataset index (the first run over a
     large blend can take far longer than the collective timeout of training); at most a year,
     beyond which torch's timeouts overflow."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_train import cpu_compat, placement
-from megatron_train.config import ExperimentConfig
+from megatron_train.config import MINUTES_A_YEAR, ExperimentConfig
 from megatron_train.errors import ConfigError
 
 
@@ -184,9 +184,6 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     return Runtime(env.rank, env.world_size, device, compute_dtype(cfg))
 
 
-_MINUTES_A_YEAR = 365 * 24 * 60
-
-
 def collective_timeout() -> datetime.timedelta:
     """How long a collective may wait before the job fails: ``$MEGATRON_TRAIN_DIST_TIMEOUT_MIN``
     minutes (10, as torch's NCCL default), so a hung rank ends the job instead of its allocation."""
@@ -195,12 +192,10 @@ def collective_timeout() -> datetime.timedelta:
         minutes = float(text)
     except ValueError:
         minutes = math.nan
-    # Far longer than any job; torch's rendezvous overflows past a few hundred years, and Python's
-    # timedelta past 1.4e12 minutes.
-    if not (math.isfinite(minutes) and 0 < minutes <= _MINUTES_A_YEAR):
+    if not (math.isfinite(minutes) and 0 < minutes <= MINUTES_A_YEAR):
         raise ConfigError(
             "MEGATRON_TRAIN_DIST_TIMEOUT_MIN",
-            f"{text!r} is not a number of minutes above 0 and at most a year ({_MINUTES_A_YEAR:,})",
+            f"{text!r} is not a number of minutes above 0 and at most a year ({MINUTES_A_YEAR:,})",
             "set it to how long a collective may wait, e.g. 10",
         )
     return datetime.timedelta(minutes=minutes)
