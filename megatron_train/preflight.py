@@ -87,7 +87,10 @@ def run(
     allow_over_memory: bool = False,
 ) -> list[str]:
     """All checks; returns the report lines, or raises a bad-input error."""
+    from megatron_train.runtime import collective_timeout
+
     cfg = resolve(config, overrides, world_size)
+    timeout = collective_timeout()  # the job inherits the submitting shell's environment
     resume = check_resume(cfg)
     mem = estimate(cfg, world_size) if allow_over_memory else check_memory(cfg, world_size, gpu_memory_gib)
     gib = 2**30
@@ -97,7 +100,8 @@ def run(
         f"layout: TP{p.tensor} x PP{p.pipeline} x CP{p.context} x DP{dp} = {world_size} ranks"
         + (f" (experts: EP{p.expert} x ETP{p.expert_tensor or p.tensor})" if cfg.model.num_experts else "")
         + "; "
-        f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step",
+        f"{cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)} microbatches per step; "
+        f"a collective waits up to {timeout.total_seconds() / 60:g} min",
         f"data: {len(data_prefixes(cfg.data))} datasets found; the tokenizer fits "
         f"model.vocab_size={cfg.model.vocab_size}",
         f"checkpoints: {checkpoint_dir(cfg)} can be written; the job {resume}",

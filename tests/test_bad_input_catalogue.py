@@ -827,6 +827,13 @@ CASES = [
         env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "1e13"},
     ),
     Case(
+        "preflight-timeout-not-a-number",
+        "preflight",
+        _preflight(),
+        "'ten' is not a number of minutes",
+        env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "ten"},
+    ),
+    Case(
         "launch-exit-status-folder-missing",
         "train",
         _train(FRESH),
