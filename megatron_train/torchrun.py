@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import signal
 import sys
 from typing import NoReturn
@@ -84,6 +85,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give without swapping (Linux's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def rank_floor() -> int:
+    """Bytes each rank takes before it builds anything: this launcher's own peak, as it has
+    imported what a rank imports first (torch, megatron-core, the trainer)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def launch_problem(args: argparse.Namespace) -> str | None:
     """What in torchrun's arguments it would meet with a traceback before starting any rank."""
     try:
@@ -104,6 +123,16 @@ def launch_problem(args: argparse.Namespace) -> str | None:
             f"--nproc-per-node {args.nproc_per_node}: {local_world_size} ranks for the {gpus} GPU(s) this "
             f"node shows, and NCCL runs one rank per GPU. Fix: start at most {gpus} ranks per node "
             "(launch/local.sh with no count starts one per GPU)"
+        )
+    # A mistyped count (80 for 8) would start ranks until the out-of-memory killer ends the
+    # machine's other work too, long before the ranks refuse a world size their config cannot use.
+    available, floor = available_memory(), rank_floor()
+    if available is not None and local_world_size * floor > available:
+        return (
+            f"--nproc-per-node {args.nproc_per_node}: {local_world_size} ranks take at least "
+            f"{local_world_size * floor / 2**30:.1f} GiB ({floor / 2**30:.2f} GiB each for torch and "
+            f"megatron-core alone), above the {available / 2**30:.1f} GiB this machine has free. "
+            f"Fix: start at most {max(1, available // floor)} ranks per node"
         )
     try:
         min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)

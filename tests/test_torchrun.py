@@ -143,6 +143,17 @@ def test_torchrun_refuses_more_ranks_than_the_gpus_it_sees(capsys, monkeypatch):
     assert len(err.splitlines()) == 1
 
 
+def test_torchrun_refuses_more_ranks_than_the_machines_memory_holds(capsys):
+    """100,000 CPU ranks (a count mistyped) started hundreds of processes, each taking the
+    launcher's own 0.3 GiB of torch and megatron-core, until the launcher was killed: refused
+    before any starts, naming how many would fit."""
+    assert main(["--standalone", "--nproc-per-node", "100000", "-m", "megatron_train.no_such_module"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --nproc-per-node 100000: 100000 ranks take at least "), err
+    assert "GiB this machine has free. Fix: start at most " in err
+    assert len(err.splitlines()) == 1
+
+
 def test_the_launcher_passes_sigusr1_on_to_the_ranks(monkeypatch):
     """SIGUSR1 stops our ranks after a save, as SIGTERM does; torchrun passed on only its own four
     signals and died of this one, leaving its ranks training. torchrun's variable still decides."""
