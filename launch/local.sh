@@ -5,7 +5,7 @@ set -euo pipefail
 usage="launch/local.sh [NPROC] --config configs/X.yaml [key=value ...]"
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$((10#$1)); shift
     if (( NPROC < 1 )); then echo "error: launch/local.sh: NPROC is $NPROC. Fix: launch at least 1 rank: $usage" >&2; exit 2; fi
-elif [[ -n "${1:-}" && "$1" != -* ]]; then
+elif [[ -n "${1:-}" && ( "$1" != -* || "$1" =~ ^-[0-9.]+$ ) ]]; then
     echo "error: launch/local.sh: '$1' is not a rank count. Fix: $usage" >&2; exit 2
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then NPROC=$(nvidia-smi -L | wc -l)
 else echo "error: launch/local.sh: no GPU found. Fix: give the number of CPU ranks first: $usage" >&2; exit 2

@@ -57,6 +57,7 @@ def test_the_launcher_names_the_first_failed_rank_and_how_it_ended(codes, says):
     [
         (["0", "--config", "configs/demo.yaml"], "NPROC is 0"),
         (["eight", "--config", "configs/demo.yaml"], "'eight' is not a rank count"),
+        (["-1", "--config", "configs/demo.yaml"], "'-1' is not a rank count"),
         pytest.param(
             [], "no GPU found", marks=pytest.mark.skipif(bool(shutil.which("nvidia-smi")), reason="a GPU")
         ),
