@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_train.config import ModelConfig
@@ -25,15 +27,14 @@ def export_plan(family: Family, m: ModelConfig) -> list[tuple[str, Index, list[s
 def hf_shapes(family: Family, m: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every transformers tensor's shape, from ``to_hf`` on meta tensors (no memory, no I/O)."""
     shapes = {t.key: t.shape for t in family.tensors(m)}
-    meta = {}
-    for key, shape in shapes.items():
-        try:
-            meta[key] = torch.empty(shape, device="meta")
-        except (RuntimeError, ValueError, TypeError, OverflowError):  # past int64: a damaged config.json
+    for shape in shapes.values():
+        # torch refuses a tensor whose bytes count passes int64: only a damaged config.json's sizes.
+        if math.prod(shape) * torch.float32.itemsize > torch.iinfo(torch.int64).max:
             raise ConversionError(
                 f"config.json describes a tensor of shape {shape}, beyond what torch can hold: it describes "
                 "no model that exists; correct config.json, or download the model again"
-            ) from None
+            )
+    meta = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
     return {
         name: tuple(tensor.shape)
         for key, index, _ in export_plan(family, m)
