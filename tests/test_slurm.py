@@ -195,6 +195,29 @@ def test_pre_timeout_signal_saves_requeues_and_resumes_to_the_same_loss(
     assert losses == expected, "the requeued job must end exactly where the uninterrupted one did"
 
 
+def test_a_pre_timeout_signal_while_the_ranks_start_is_one_line_and_no_requeue(slurm, corpus, tmp_path):
+    """Slurm's SIGUSR1 before the ranks catch it (a --time shorter than start-up plus
+    --signal-seconds): they die of it in their imports, and the job failed with exit code 138 and
+    no word of why. Now the batch log says so in one line, the job is not requeued (its next start
+    would be signalled as early) and nothing of a run was made."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    result = submit(slurm, config, tmp_path / "logs")
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.split()[-1]
+    ranks = tmp_path / "logs" / f"megatron-train-{job}"
+    deadline = time.monotonic() + 120
+    # slurmstepd opens each rank's log before it starts the rank, whose imports take seconds.
+    while len(list(ranks.glob("rank-*.log"))) < 4:
+        assert time.monotonic() < deadline and job_field(slurm, job, "JobState") in ("PENDING", "RUNNING")
+        time.sleep(0.1)
+    _run("scancel", "--signal=USR1", job, env=slurm)
+    assert wait_for_job(slurm, job) == "FAILED"
+    batch_log = (tmp_path / "logs" / f"megatron-train-{job}.out").read_text()
+    assert f"job {job}: SIGUSR1 (the pre-timeout signal) ended the ranks while they were" in batch_log
+    assert job_field(slurm, job, "Restarts") == "0"
+    assert not (tmp_path / "run").exists()
+
+
 def test_submit_refuses_a_bad_config_without_queueing(slurm, corpus, tmp_path):
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
     result = submit(slurm, config, tmp_path / "logs", "model.num_attention_heads=3")
