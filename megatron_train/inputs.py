@@ -32,6 +32,7 @@ from megatron_train.config import (
     split_blends,
 )
 from megatron_train.errors import ConfigError
+from megatron_train.host_memory import physical_memory
 from megatron_train.outputs import check_output_dir, check_run_dir
 from megatron_train.text_encoding import tokenizer_loading
 from megatron_train.token_writer import INDEX_HEADER
@@ -257,11 +258,6 @@ def check_index_memory(cfg: ExperimentConfig, sizes: dict[str, list[SplitSize | 
             f"in memory: {needed / 2**30:,.1f} GiB, more than this machine's {available / 2**30:,.1f} GiB",
             f"lower {key} or train.global_batch_size, or give the run more data",
         )
-
-
-def physical_memory() -> int:
-    """Bytes of memory this machine has."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def checked_tokenizer(

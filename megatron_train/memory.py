@@ -23,7 +23,7 @@ import torch
 
 from megatron_train.config import ExperimentConfig, ModelConfig, data_parallel_size
 from megatron_train.errors import ConfigError
-from megatron_train.inputs import physical_memory
+from megatron_train.host_memory import physical_memory
 from megatron_train.models.common import one_pass_loss
 from megatron_train.models.registry import family_of
 

@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import determine_local_world_size, get_args_parser, parse_min_max_nnodes, run
 
 from megatron_train import cli
+from megatron_train.host_memory import available_memory
 from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
 
 # The exit codes a rank gives after reporting for itself.
@@ -83,18 +84,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if "PET_SIGNALS_TO_HANDLE" not in os.environ:
         parser.set_defaults(signals_to_handle=parser.get_default("signals_to_handle") + ",SIGUSR1")
     return parser.parse_args(argv)
-
-
-def available_memory() -> int | None:
-    """Bytes of memory this machine can still give without swapping (Linux's MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def rank_floor() -> int:
