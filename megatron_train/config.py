@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, shown
 
 
 @dataclass(frozen=True)
@@ -582,7 +582,7 @@ def parse_blend(blend: list[Any], key: str = "data.blend") -> tuple[list[str], l
     ):
         raise ConfigError(
             key,
-            f"{blend!r} is neither a list of prefixes nor [weight, prefix, ...] pairs",
+            f"{shown(blend)} is neither a list of prefixes nor [weight, prefix, ...] pairs",
             "write [prefix, ...] or [0.7, prefix_a, 0.3, prefix_b]",
         )
     else:

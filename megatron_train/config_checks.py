@@ -17,7 +17,7 @@ from megatron_train.config import (
     split_numbers,
 )
 from megatron_train.config_loading import check_fields
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, shown
 
 
 def _validate_context(cfg: ExperimentConfig) -> None:
@@ -268,7 +268,7 @@ def _validate_profile(pr: ProfileConfig, steps: int, world_size: int) -> None:
         problem = (
             f"rank {outside[0]} does not exist in a job of {world_size} rank{'s' * (world_size > 1)}"
             if outside
-            else f"{pr.ranks!r} is not a non-empty list of distinct ranks"
+            else f"{shown(pr.ranks)} is not a non-empty list of distinct ranks"
         )
         fix = (
             "set it to [0], the only rank"
@@ -361,8 +361,8 @@ def _validate_recompute(m: ModelConfig, layers_per_stage: int) -> None:
         if not modules or bad or len(set(modules)) != len(modules):
             raise ConfigError(
                 "model.recompute_modules",
-                f"{modules!r} is not a non-empty list of distinct modules"
-                + (f" ({bad!r} unknown)" if bad else ""),
+                f"{shown(modules)} is not a non-empty list of distinct modules"
+                + (f" ({shown(bad)} unknown)" if bad else ""),
                 f"list some of {list(RECOMPUTE_MODULES)}",
             )
         _validate_mlp_recompute(m)

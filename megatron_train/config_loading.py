@@ -17,8 +17,9 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from megatron_train.config import Check, FilePath, Range
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, shown
 
+_INT64_MAX = 2**63 - 1
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
@@ -36,10 +37,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         for rule in declarations:
             if isinstance(rule, Range) and not rule.allows(value):
                 raise ConfigError(
-                    key, f"{value!r} is out of range", f"set {key} to a value {rule.describe()}"
+                    key, f"{shown(value)} is out of range", f"set {key} to a value {rule.describe()}"
                 )
             if isinstance(rule, Check) and not rule.accepts(value):
-                raise ConfigError(key, f"{value!r} is not valid", f"set {key} to {rule.describe}")
+                raise ConfigError(key, f"{shown(value)} is not valid", f"set {key} to {rule.describe}")
         return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -57,27 +58,33 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         errors.sort(key=lambda err: err.problem.startswith("expected"))
         if len(errors) > 1 and all(_is_mismatch(err) for err in errors):
             forms = ", or ".join(_form(option) for option in options if option is not type(None))
-            raise ConfigError(key, f"{value!r} is not allowed", f"set {key} to {forms}")
+            raise ConfigError(key, f"{shown(value)} is not allowed", f"set {key} to {forms}")
         raise errors[0]
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
-            raise ConfigError(key, f"{value!r} is not allowed", f"use one of {list(choices)}")
+            raise ConfigError(key, f"{shown(value)} is not allowed", f"use one of {list(choices)}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(key, f"expected a list, got {value!r}", "write a YAML list")
+            raise ConfigError(key, f"expected a list, got {shown(value)}", "write a YAML list")
         (item,) = typing.get_args(tp)
         return [_coerce(x, item, key) for x in value]
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, key + ".")
     if tp is float:
         return _finite(value, key)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT64_MAX:
+        # Counters and sizes go into torch and numpy int64 (and a longer one has more digits than
+        # Python turns into text).
+        raise ConfigError(
+            key, f"{shown(value)} is beyond 64-bit integers", f"set {key} to at most {_INT64_MAX:,}"
+        )
     if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
         return value
     raise ConfigError(
         key,
-        f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}",
+        f"expected {_type_name(tp)}, got {type(value).__name__} {shown(value)}",
         f"set {key} to {_type_name(tp)}",
     )
 
@@ -99,10 +106,10 @@ def _form(tp: Any) -> str:
 def _finite(value: Any, key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(
-            key, f"expected a number, got {type(value).__name__} {value!r}", f"set {key} to a number"
+            key, f"expected a number, got {type(value).__name__} {shown(value)}", f"set {key} to a number"
         )
     if not math.isfinite(value):
-        raise ConfigError(key, f"{value!r} is not a finite number", f"set {key} to a finite number")
+        raise ConfigError(key, f"{shown(value)} is not a finite number", f"set {key} to a finite number")
     return float(value)
 
 
@@ -146,7 +153,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types."""
     key = prefix.rstrip(".") or "<top level>"
     if not isinstance(data, dict):
-        raise ConfigError(key, f"expected a mapping, got {data!r}", "write key: value pairs")
+        raise ConfigError(key, f"expected a mapping, got {shown(data)}", "write key: value pairs")
     hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -193,7 +200,17 @@ class _ConfigLoader(yaml.SafeLoader):
             seen.append(key)
         return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            # Python reads at most sys.get_int_max_str_digits() digits into an int.
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {len(node.value):,} characters, too long to read", node.start_mark
+            ) from None
 
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),

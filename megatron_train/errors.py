@@ -5,10 +5,34 @@ not bad input, but it too ends in one line (exit code 1)."""
 from __future__ import annotations
 
 import errno
+import math
 import os
+import reprlib
 
 NAME_MAX = 255
 """The longest file name, in bytes, of the file systems Linux clusters use (ext4, xfs, Lustre, NFS)."""
+
+
+class _Shown(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        # Python refuses to turn an int of over 4300 digits into text (YAML reads 0xff...f).
+        if x.bit_length() > 256:
+            sign = "a negative" if x < 0 else "an"
+            return f"{sign} integer of about {int(x.bit_length() * math.log10(2)) + 1:,} digits"
+        return super().repr_int(x, level)
+
+
+_SHOWN = _Shown()
+# Long enough to recognise a value, short enough for one line: a few lines of YAML aliases make a
+# list of millions, whose full repr takes gigabytes and minutes to build.
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxdict = 2, 6, 6, 4
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 80
+
+
+def shown(value: object) -> str:
+    """A value given as input (a config entry, a config.json field) as an error line shows it:
+    its repr, with long strings and large or deep containers cut."""
+    return _SHOWN.repr(value)
 
 
 class ConfigError(ValueError):

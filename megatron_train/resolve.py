@@ -12,7 +12,7 @@ from pathlib import Path
 from megatron_train.config import ExperimentConfig, ModelConfig, ParallelConfig, ProfileConfig
 from megatron_train.config_checks import validate_options
 from megatron_train.config_loading import apply_overrides, check_paths_written_out, from_dict, read_yaml
-from megatron_train.errors import ConfigError, ConversionError
+from megatron_train.errors import ConfigError, ConversionError, shown
 from megatron_train.hf.model_dir import is_hf_model_dir, read_hf_config
 from megatron_train.inputs import check_inputs
 from megatron_train.models import registry
@@ -138,12 +138,12 @@ def _apply_preset(raw: dict) -> None:
         return
     name = model["preset"]
     if not isinstance(name, str):
-        raise ConfigError("model.preset", f"expected a preset name, got {name!r}", "write a preset name")
+        raise ConfigError("model.preset", f"expected a preset name, got {shown(name)}", "write a preset name")
     family, values = registry.preset(name)
     if model.get("family", family.name) != family.name:
         raise ConfigError(
             "model.family",
-            f"is {model['family']!r} but preset {name!r} belongs to {family.name!r}",
+            f"is {shown(model['family'])} but preset {name!r} belongs to {family.name!r}",
             "remove model.family or choose a preset of that family",
         )
     raw["model"] = {"family": family.name, **values, **model}
@@ -175,7 +175,7 @@ def _apply_hf_architecture(raw: dict) -> None:
         if key in model and key not in kept and model[key] != value:
             raise ConfigError(
                 f"model.{key}",
-                f"is {model[key]!r} but {init_from}/config.json has {value!r}",
+                f"is {shown(model[key])} but {init_from}/config.json has {shown(value)}",
                 f"remove model.{key}: the Hugging Face model sets it",
             )
     model.update({key: value for key, value in options.items() if key not in kept})

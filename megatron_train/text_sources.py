@@ -12,6 +12,7 @@ import glob
 import gzip
 import io
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,6 +138,13 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding=_ENCODING)
 
 
+def _json_integer(digits: str) -> int | float:
+    """A JSON integer; one longer than Python turns into an int (4300 digits) as a float, which
+    JSON allows a reader: only the text field is read, and the line's other fields may hold
+    anything."""
+    return int(digits) if len(digits.lstrip("-")) <= sys.get_int_max_str_digits() else float(digits)
+
+
 def _json_lines(path: Path, key: str) -> Iterator[str]:
     with _open_text(path) as lines:
         for number, line in enumerate(lines, 1):
@@ -144,7 +152,7 @@ def _json_lines(path: Path, key: str) -> Iterator[str]:
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                record = json.loads(line, parse_int=_json_integer)
             except json.JSONDecodeError as err:
                 raise ConfigError(
                     "--input", f"{where} is not JSON ({err})", "fix or remove that line"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from megatron_train.config import ModelConfig
-from megatron_train.errors import ConversionError
+from megatron_train.errors import ConversionError, shown
 
 # megatron-core's Llama-3.1 RoPE scaling hard-codes these (rotary_pos_embedding._apply_scaling).
 LLAMA3_ROPE_FIXED = {
@@ -36,7 +36,7 @@ MALFORMED = "correct config.json, or download the model again"
 def refuse(field: str, value, why: str, fix: str = UNSUPPORTED) -> None:
     """Raise the one-line refusal of a config.json value: a feature our model lacks (the default
     fix) or a value no config.json holds (:data:`MALFORMED`)."""
-    raise ConversionError(f"config.json {field}={value!r}: {why}; {fix}")
+    raise ConversionError(f"config.json {field}={shown(value)}: {why}; {fix}")
 
 
 def flag(hf: dict, key: str, default: bool = False) -> bool:
@@ -76,7 +76,7 @@ def integer(hf: dict, key: str, default: int | None = None) -> int:
     value = hf.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConversionError(
-            f"config.json lacks integer field {key!r} (found {value!r}); download the model again"
+            f"config.json lacks integer field {key!r} (found {shown(value)}); download the model again"
         )
     return value
 

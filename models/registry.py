@@ -4,7 +4,7 @@ config.json. Adding a family: a package in ``models/`` that builds a Family, lis
 from __future__ import annotations
 
 from megatron_train.config import ModelConfig
-from megatron_train.errors import ConfigError, ConversionError
+from megatron_train.errors import ConfigError, ConversionError, shown
 from megatron_train.models import llama, mixtral, qwen3
 from megatron_train.models.family import Family
 
@@ -14,7 +14,9 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY, 
 def family_of(m: ModelConfig) -> Family:
     """The family ``model.family`` names."""
     if m.family not in FAMILIES:
-        raise ConfigError("model.family", f"unknown family {m.family!r}", f"use one of {sorted(FAMILIES)}")
+        raise ConfigError(
+            "model.family", f"unknown family {shown(m.family)}", f"use one of {sorted(FAMILIES)}"
+        )
     return FAMILIES[m.family]
 
 
@@ -24,7 +26,7 @@ def preset(name: str) -> tuple[Family, dict]:
         if name in family.presets:
             return family, dict(family.presets[name])
     names = sorted(p for family in FAMILIES.values() for p in family.presets)
-    raise ConfigError("model.preset", f"unknown preset {name!r}", f"use one of {names}")
+    raise ConfigError("model.preset", f"unknown preset {shown(name)}", f"use one of {names}")
 
 
 def for_hf(hf: dict) -> Family:
@@ -35,5 +37,5 @@ def for_hf(hf: dict) -> Family:
             return family
     supported = [a for family in FAMILIES.values() for a in family.hf_architectures]
     raise ConversionError(
-        f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {', '.join(supported)}"
+        f"unsupported architecture {shown(archs or hf.get('model_type'))}; supported: {', '.join(supported)}"
     )

@@ -295,6 +295,18 @@ def _edit_hf_config(change: Callable[[dict], None]) -> Callable[[Path], None]:
     return edit
 
 
+def _edit_hf_text(old: str, new: str) -> Callable[[Path], None]:
+    """config.json with its first ``old`` replaced by ``new``, as text (json.dumps cannot write
+    every bad value)."""
+
+    def edit(hf: Path) -> None:
+        text = (hf / "config.json").read_text()
+        assert old in text
+        (hf / "config.json").write_text(text.replace(old, new, 1))
+
+    return edit
+
+
 def _copy_config(ws: Path, case_id: str) -> None:
     """The experiment's config kept in the folder it names as its run directory."""
     _case(ws, case_id).mkdir(parents=True)
@@ -326,6 +338,17 @@ UNREACHABLE_SAYS = (
     "'logging.wandb': wandb could not start its online run: Timed out while retrying: "
     'Post "http://127.0.0.1:9/'
 )
+
+# Each level nine times the one before: 9**7 strings in data.blend.
+ALIAS_BOMB = (
+    "a: &a ["
+    + ", ".join(["x"] * 9)
+    + "]\n"
+    + "".join(
+        f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]\n" for prev, name in zip("abcdef", "bcdefg")
+    )
+)
+ALIAS_BOMB = "data:\n  blend:\n" + "".join(f"    {line}\n" for line in ALIAS_BOMB.splitlines())
 
 CASES = [
     # train: the config file itself
@@ -379,6 +402,34 @@ CASES = [
         "train",
         _train("model.num_layers=" + "[" * 5000 + "]" * 5000),
         "'model.num_layers': the value nests",
+    ),
+    Case(
+        # A few lines of aliases make millions of entries: the line shows their start.
+        "config-alias-bomb",
+        "train",
+        _train(config="cases/config-alias-bomb/c.yaml"),
+        "'data.blend': expected a list, got {'a': ['x', 'x', 'x', 'x', 'x', 'x', ...], 'b': [[...],",
+        _write("c.yaml", ALIAS_BOMB),
+    ),
+    Case(
+        "config-integer-too-long",
+        "train",
+        _train(config="cases/config-integer-too-long/c.yaml"),
+        "line 2, column 10: an integer of 5,001 characters, too long to read",
+        _write("c.yaml", "train:\n  steps: 1" + "0" * 5000 + "\n"),
+    ),
+    Case(
+        "override-hex-integer-of-thousands-of-digits",
+        "train",
+        _train("train.steps=0x" + "f" * 5000),
+        "'train.steps': an integer of about 6,021 digits is beyond 64-bit integers",
+    ),
+    Case(
+        "override-integer-past-int64",
+        "train",
+        _train(f"model.num_layers={2**63}"),
+        "'model.num_layers': 9223372036854775808 is beyond 64-bit integers. Fix: set model.num_layers to at "
+        "most 9,223,372,036,854,775,807",
     ),
     Case("config-name-too-long", "train", _train(config=f"{LONG_NAME}.yaml"), "a name in it is 305 bytes"),
     Case(
@@ -506,6 +557,12 @@ CASES = [
         "model-experts-past-int64",
         "train",
         _train("model.preset=qwen3-moe-tiny", "model.num_experts=1000000000000000000000", FRESH),
+        "'model.num_experts': 1000000000000000000000 is beyond 64-bit integers",
+    ),
+    Case(
+        "model-experts-within-int64-beyond-memory",
+        "train",
+        _train("model.preset=qwen3-moe-tiny", f"model.num_experts={2**62}", FRESH),
         "GiB each rank has",
     ),
     Case(
@@ -1341,8 +1398,23 @@ CASES = [
         "import-hf-size-past-int64",
         "convert",
         _args("import-hf", "--hf", "WS/cases/import-hf-size-past-int64/hf", "--out", "WS/cases/o"),
-        "beyond what torch can hold",
+        "config.json intermediate_size: 1000000000000000000000 is beyond 64-bit integers",
         _hf_copy(_edit_hf_config(lambda c: c.update(intermediate_size=10**21))),
+    ),
+    Case(
+        "import-hf-config-integer-too-long",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-config-integer-too-long/hf", "--out", "WS/cases/o"),
+        "holds an integer too long to read (over 4300 digits)",
+        _hf_copy(_edit_hf_text('"hidden_size": ', '"hidden_size": 1' + "0" * 5000 + ', "was_hidden_size": ')),
+    ),
+    Case(
+        # Each size fits in int64, the tensor's bytes do not.
+        "import-hf-tensor-bytes-past-int64",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-tensor-bytes-past-int64/hf", "--out", "WS/cases/o"),
+        "beyond what torch can hold",
+        _hf_copy(_edit_hf_config(lambda c: c.update(intermediate_size=2**62))),
     ),
     # older Hugging Face repositories hold pickled weights only; the error says how to re-save them
     Case(
@@ -2080,7 +2152,8 @@ def test_bad_input_is_one_line_and_touches_nothing(ws, corpus, case, capfd, monk
     if case.code == 2:
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
-        assert case.says in lines[0], lines[0]
+        assert case.says in lines[0], lines[0][:3000]
+        assert len(lines[0]) <= 2000, f"a line of {len(lines[0]):,} characters: {lines[0][:3000]}"
     else:
         assert case.says in out, out[-3000:]
     assert _hashes(ws, corpus["prefix"].parent) == before

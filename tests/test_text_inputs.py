@@ -60,6 +60,13 @@ def test_a_dotted_text_key_reaches_into_nested_fields(tmp_path):
     assert list(iter_texts([tmp_path / "n.jsonl"], "meta.body")) == ["deep", "literal"]
 
 
+def test_a_line_whose_other_field_holds_an_integer_python_cannot_read_keeps_its_text(tmp_path):
+    """json.loads refuses an integer of over 4300 digits; only the text field matters here."""
+    huge = "9" * 5000
+    (tmp_path / "a.jsonl").write_text(f'{{"id": {huge}, "text": "kept"}}\n{{"id": -{huge}, "text": "too"}}\n')
+    assert list(iter_texts([tmp_path / "a.jsonl"])) == ["kept", "too"]
+
+
 def test_a_byte_order_mark_is_no_part_of_the_first_document(tmp_path):
     bom = b"\xef\xbb\xbf"
     (tmp_path / "a.jsonl").write_bytes(bom + _jsonl([{"text": "first"}, {"text": "second"}]))

@@ -324,7 +324,7 @@ def _recorded_save_dir(run_dir: Path) -> Path | None:
     try:
         recorded = yaml.safe_load(config.read_text())
         save_dir = recorded["checkpoint"]["save_dir"]
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError, RecursionError):
         return None
     return Path(save_dir) if isinstance(save_dir, str) and save_dir else Path(run_dir) / SAVE_DIR_IN_RUN
 

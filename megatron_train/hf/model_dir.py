@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,11 @@ def read_hf_config(hf_dir: Path) -> dict:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConversionError(f"{path} is not valid JSON ({err}); download the model again") from err
+    except ValueError:
+        raise ConversionError(
+            f"{path} holds an integer too long to read (over {sys.get_int_max_str_digits()} digits); "
+            "download the model again"
+        ) from None
     if not isinstance(hf, dict):
         raise ConversionError(
             f"{path} is not a JSON object, so not a transformers config; download the model again"
