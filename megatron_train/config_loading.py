@@ -74,13 +74,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return from_dict(tp, value, key + ".")
     if tp is float:
         return _finite(value, key)
-    if tp is int and isinstance(value, int) and not isinstance(value, bool) and abs(value) > _INT64_MAX:
-        # Counters and sizes go into torch and numpy int64 (and a longer one has more digits than
-        # Python turns into text).
-        raise ConfigError(
-            key, f"{shown(value)} is beyond 64-bit integers", f"set {key} to at most {_INT64_MAX:,}"
-        )
     if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        if tp is int and abs(value) > _INT64_MAX:
+            # Counters and sizes go into torch and numpy int64 (and a longer one has more digits
+            # than Python turns into text).
+            raise ConfigError(
+                key, f"{shown(value)} is beyond 64-bit integers", f"set {key} to at most {_INT64_MAX:,}"
+            )
         return value
     raise ConfigError(
         key,
@@ -108,9 +108,13 @@ def _finite(value: Any, key: str) -> float:
         raise ConfigError(
             key, f"expected a number, got {type(value).__name__} {shown(value)}", f"set {key} to a number"
         )
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the largest float
+        number = math.inf
+    if not math.isfinite(number):
         raise ConfigError(key, f"{shown(value)} is not a finite number", f"set {key} to a finite number")
-    return float(value)
+    return number
 
 
 def check_fields(cfg: Any, prefix: str = "") -> None:

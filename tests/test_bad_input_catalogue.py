@@ -425,6 +425,13 @@ CASES = [
         "'train.steps': an integer of about 6,021 digits is beyond 64-bit integers",
     ),
     Case(
+        # An integer is a number where a float is expected; this one is past the largest float.
+        "override-float-given-an-integer-past-every-float",
+        "train",
+        _train("optimizer.lr=1" + "0" * 400),
+        "'optimizer.lr': an integer of about 401 digits is not a finite number",
+    ),
+    Case(
         "override-integer-past-int64",
         "train",
         _train(f"model.num_layers={2**63}"),
@@ -1407,6 +1414,13 @@ CASES = [
         _args("import-hf", "--hf", "WS/cases/import-hf-config-integer-too-long/hf", "--out", "WS/cases/o"),
         "holds an integer too long to read (over 4300 digits)",
         _hf_copy(_edit_hf_text('"hidden_size": ', '"hidden_size": 1' + "0" * 5000 + ', "was_hidden_size": ')),
+    ),
+    Case(
+        "import-hf-config-not-utf8",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-config-not-utf8/hf", "--out", "WS/cases/o"),
+        "config.json is not UTF-8 text ('utf-8' codec can't decode byte 0xff",
+        _hf_copy(lambda hf: (hf / "config.json").write_bytes(b'\xff\xfe{"hidden_size": 64}')),
     ),
     Case(
         # Each size fits in int64, the tensor's bytes do not.

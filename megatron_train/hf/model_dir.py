@@ -40,6 +40,8 @@ def read_hf_config(hf_dir: Path) -> dict:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConversionError(f"{path} is not valid JSON ({err}); download the model again") from err
+    except UnicodeDecodeError as err:
+        raise ConversionError(f"{path} is not UTF-8 text ({err}); download the model again") from err
     except ValueError:
         raise ConversionError(
             f"{path} holds an integer too long to read (over {sys.get_int_max_str_digits()} digits); "
