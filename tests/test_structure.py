@@ -104,7 +104,7 @@ def test_imports_only_point_down_the_layers():
             continue
         upward += [f"{name} -> {dep}" for dep in deps if (_layer(dep) or 0) > _layer(name)]
     assert not upward
-    assert _imports(_modules()["config"]) <= {"errors", "errors.ConfigError"}
+    assert _imports(_modules()["config"]) <= {"errors", "errors.ConfigError", "errors.shown"}
 
 
 def test_the_families_import_from_a_checkout_without_an_editable_install():
