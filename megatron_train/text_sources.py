@@ -106,10 +106,10 @@ def _text(value: object, key: str, where: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
+        # A JSON integer longer than Python reads as an int arrives as a float: both are a number.
+        kind = "a number" if type(value) in (int, float) else type(value).__name__
         raise ConfigError(
-            "--text-key",
-            f"{where}: field {key!r} holds {type(value).__name__}, not a string",
-            "name a text field",
+            "--text-key", f"{where}: field {key!r} holds {kind}, not a string", "name a text field"
         )
     return value
 

@@ -82,6 +82,8 @@ def test_a_byte_order_mark_is_no_part_of_the_first_document(tmp_path):
         (b'{"text": "ok"}\nnot json\n', "text", "bad.jsonl:2 is not JSON"),
         (b'{"text": "ok"}\n{"body": "x"}\n', "text", "bad.jsonl:2 has no field 'text'"),
         (b'{"text": ["a"]}\n', "text", "holds list, not a string"),
+        (b'{"text": 7}\n', "text", "holds a number, not a string"),
+        (b'{"text": ' + b"9" * 5000 + b"}\n", "text", "holds a number, not a string"),
         (
             b'{"text": "ok"}\n["a"]\n',
             "text",
