@@ -1992,6 +1992,12 @@ CASES = [
         "set --vocab-size to at least",
     ),  # fmt: skip
     Case(
+        "tokenizer-vocab-below-the-special-pieces",
+        "tokenizer",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/t/spm", "--vocab-size", "3"),
+        "cannot hold the 4 special ones",
+    ),
+    Case(
         "tokenizer-vocab-0",
         "tokenizer",
         _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/t/spm", "--vocab-size", "0"),

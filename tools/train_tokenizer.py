@@ -34,6 +34,9 @@ from megatron_train.text_sources import input_files, iter_texts
 # SentencePiece rejects longer "sentences"; documents are fed in pieces of at most this size.
 _MAX_PIECE_CHARS = 4000
 _MAX_VOCAB = 2**31 - 1  # SentencePiece holds the size in an int32
+# pad, unk, bos and eos; below this many SentencePiece fails on an internal check, naming no size.
+_SPECIAL_PIECES = 4
+_BYTES = 256
 
 
 class _Pieces:
@@ -78,6 +81,13 @@ def train(args: argparse.Namespace) -> None:
             "--vocab-size",
             f"{args.vocab_size} is beyond SentencePiece's int32",
             f"set it to at most {_MAX_VOCAB:,}",
+        )
+    if args.vocab_size < _SPECIAL_PIECES:
+        raise ConfigError(
+            "--vocab-size",
+            f"{args.vocab_size} pieces cannot hold the {_SPECIAL_PIECES} special ones (pad, unk, bos, eos), "
+            f"let alone the {_BYTES} bytes and each character of the text a lossless tokenizer needs",
+            f"set it to at least {_SPECIAL_PIECES + _BYTES} plus the text's distinct characters (default 8192)",
         )
     out = output_prefix("--output-prefix", args.output_prefix, (".model", ".vocab"))
     texts = iter_texts(input_files(args.input), args.text_key)
