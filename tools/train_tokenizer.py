@@ -87,7 +87,7 @@ def train(args: argparse.Namespace) -> None:
             "--vocab-size",
             f"{args.vocab_size} pieces cannot hold the {_SPECIAL_PIECES} special ones (pad, unk, bos, eos), "
             f"let alone the {_BYTES} bytes and each character of the text a lossless tokenizer needs",
-            f"set it to at least {_SPECIAL_PIECES + _BYTES} plus the text's distinct characters (default 8192)",
+            f"set it to at least {_SPECIAL_PIECES + _BYTES} plus the text's characters (default 8192)",
         )
     out = output_prefix("--output-prefix", args.output_prefix, (".model", ".vocab"))
     texts = iter_texts(input_files(args.input), args.text_key)
