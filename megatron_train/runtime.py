@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_train import cpu_compat, placement
+from megatron_train import cpu_compat, rendezvous
 from megatron_train.config import MINUTES_A_YEAR, ExperimentConfig
 from megatron_train.errors import ConfigError
 
@@ -90,29 +90,6 @@ def check_rendezvous(env: dict[str, str]) -> None:
     collective_timeout()
 
 
-def _rendezvous(env: LaunchEnv) -> str:
-    """Where the ranks meet. A one-process world outside torchrun meets itself on a free local
-    port: the MASTER_ADDR / MASTER_PORT a shell exported may name another job's store or a port in
-    use. Under torchrun, even one rank must use the store torchrun keeps at those variables."""
-    if env.world_size == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return f"tcp://127.0.0.1:{_free_port()}"
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name):  # RANK and WORLD_SIZE, or srun's variables, set by hand
-            raise ConfigError(
-                name,
-                f"not set, and the {env.world_size} ranks meet at MASTER_ADDR:MASTER_PORT",
-                "start the ranks with python -m megatron_train.torchrun or launch/slurm/pretrain.sbatch, "
-                "which set both, or export the first node's address and a free port",
-            )
-    return "env://"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class Runtime:
     """The initialised process: its rank, device, compute dtype and parallel coordinates."""
@@ -154,23 +131,7 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     else:
         cpu_compat.enable()
         device, backend = torch.device("cpu"), "gloo"
-    try:
-        dist.init_process_group(
-            backend=backend,
-            init_method=_rendezvous(env),
-            rank=env.rank,
-            world_size=env.world_size,
-            timeout=collective_timeout(),
-        )
-    except dist.DistNetworkError as err:
-        if "EADDRINUSE" not in str(err):
-            raise
-        raise ConfigError(
-            "MASTER_PORT",
-            f"port {os.environ.get('MASTER_PORT')} on {placement.node_name()} is already in use (another "
-            "job or run listens on it), so rank 0 cannot open the rendezvous there",
-            "export a free MASTER_PORT before starting the job (pretrain.sbatch keeps one that is set)",
-        ) from None
+    rendezvous.join(env.rank, env.world_size, backend, collective_timeout())
     p = cfg.parallel
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=p.tensor,

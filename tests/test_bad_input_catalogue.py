@@ -869,6 +869,21 @@ CASES = [
         _master_port_taken,
         env={"WORLD_SIZE": "2"},
     ),
+    # torch's rendezvous ended these with a traceback; rank 1 also printed a C++ stack trace a retry
+    Case(
+        "launch-rank-0-alone",
+        "train",
+        _train(FRESH),
+        "for the job's 2 ranks and only 1 joined",
+        env={"WORLD_SIZE": "2", "MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "0.05"},
+    ),
+    Case(
+        "launch-rank-0-never-started",
+        "train",
+        _train(FRESH),
+        "could not reach rank 0's rendezvous at 127.0.0.1:",
+        env={"RANK": "1", "WORLD_SIZE": "2", "MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "0.05"},
+    ),
     Case(
         "launch-address-does-not-resolve",
         "train",
