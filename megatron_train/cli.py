@@ -11,6 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn, ParamSpec
 
 from megatron_train.errors import BAD_INPUT, out_of_room, unusable_path
@@ -138,6 +139,12 @@ def non_empty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty value")
     return text
+
+
+def path(text: str) -> Path:
+    """A path argument. An empty one (``--out $DIR`` with the variable unset) was the current
+    folder, and the error or output that followed named '.', not the argument."""
+    return Path(non_empty(text))
 
 
 def text(value: str) -> str:

@@ -457,6 +457,26 @@ CASES = [
         _args("--ckpt", f"WS/{CKPT}", "--prompt", "def", "--prompt", "class"),
         "argument --prompt: given twice ('def', then 'class')",
     ),
+    # An empty path (a shell variable not set) was the current folder, named '.' in what followed.
+    Case(
+        "export-hf-out-empty",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", ""),
+        "argument --out: an empty value",
+    ),
+    Case(
+        "import-hf-from-empty",
+        "convert",
+        _args("import-hf", "--hf", "", "--out", "WS/cases/o"),
+        "argument --hf: an empty value",
+    ),
+    Case("inspect-empty-path", "inspect", _args(""), "argument path: an empty value"),
+    Case(
+        "generate-tokenizer-empty",
+        "generate",
+        _args("--ckpt", f"WS/{CKPT}", "--prompt", "x", "--tokenizer", ""),
+        "argument --tokenizer: an empty value",
+    ),
     Case(
         "export-hf-out-given-twice",
         "convert",

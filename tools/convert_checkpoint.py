@@ -13,7 +13,6 @@ Exit codes: 0 done, 2 bad input (the message names it and the fix).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 # Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line,
 # and a Python without the project's environment one line too (use_checkout.py).
@@ -30,8 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     imp = commands.add_parser("import-hf", help="Hugging Face directory -> checkpoint")
-    imp.add_argument("--hf", type=Path, required=True, help="Hugging Face model directory")
-    imp.add_argument("--out", type=Path, required=True, help="new checkpoint save dir")
+    imp.add_argument("--hf", type=cli.path, required=True, help="Hugging Face model directory")
+    imp.add_argument("--out", type=cli.path, required=True, help="new checkpoint save dir")
     imp.add_argument(
         "--tp", type=cli.positive_int, default=1, help="tensor-parallel size to check and record"
     )
@@ -42,15 +41,17 @@ def main(argv: list[str] | None = None) -> int:
         "--vocab-pad-multiple", type=cli.positive_int, default=128, help="pad the vocabulary to this"
     )
     exp = commands.add_parser("export-hf", help="checkpoint -> Hugging Face directory")
-    exp.add_argument("--ckpt", type=Path, required=True, help="checkpoint (iter_* dir, save dir or run dir)")
-    exp.add_argument("--out", type=Path, required=True, help="new Hugging Face model directory")
+    exp.add_argument(
+        "--ckpt", type=cli.path, required=True, help="checkpoint (iter_* dir, save dir or run dir)"
+    )
+    exp.add_argument("--out", type=cli.path, required=True, help="new Hugging Face model directory")
     exp.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         help="default: an imported model's own, bfloat16 for one trained here (the Hub's usual)",
     )
     exp.add_argument("--max-shard-gib", type=cli.positive_float, default=5.0, help="largest safetensors file")
-    exp.add_argument("--tokenizer", type=Path, help="the run's tokenizer, if it moved since training")
+    exp.add_argument("--tokenizer", type=cli.path, help="the run's tokenizer, if it moved since training")
     args = parser.parse_args(argv)
     return cli.run(lambda: convert(args))
 

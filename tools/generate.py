@@ -13,7 +13,6 @@ Exit codes: 0 done, 2 bad input.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 # Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line,
 # and a Python without the project's environment one line too (use_checkout.py).
@@ -76,7 +75,7 @@ def check_length(prompt: int, new: int, positions: int, prompt_key: str) -> None
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--ckpt", type=Path, required=True, help="checkpoint (iter_* dir, save dir or run dir)"
+        "--ckpt", type=cli.path, required=True, help="checkpoint (iter_* dir, save dir or run dir)"
     )
     prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument(
@@ -89,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=cli.seed, help="with --top-p (default 0)")
     parser.add_argument("--tp", type=cli.positive_int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=cli.positive_int, default=1, help="pipeline-parallel size")
-    parser.add_argument("--tokenizer", help="tokenizer path (default: the checkpoint config's)")
+    parser.add_argument(
+        "--tokenizer", type=cli.non_empty, help="tokenizer path (default: the checkpoint config's)"
+    )
     parser.add_argument(
         "--tokenizer-type",
         choices=["sentencepiece", "huggingface"],

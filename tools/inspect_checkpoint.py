@@ -82,7 +82,7 @@ def _describe_tensors(path: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "path", type=Path, help="a checkpoint (iter_*), or a save dir or run dir (its newest is shown)"
+        "path", type=cli.path, help="a checkpoint (iter_*), or a save dir or run dir (its newest is shown)"
     )
     parser.add_argument("--verify-checksums", action="store_true", help="recompute every file's SHA-256")
     parser.add_argument("--no-tensors", action="store_true", help="skip the tensor listing")
