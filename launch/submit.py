@@ -79,7 +79,7 @@ def slurm_seconds(text: str) -> int | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True, help="experiment YAML")
+    parser.add_argument("--config", type=cli.non_empty, required=True, help="experiment YAML")
     parser.add_argument("--nodes", type=cli.positive_int, default=1)
     parser.add_argument(
         "--gpus-per-node", type=cli.positive_int, default=8, help="ranks per node (one per GPU)"
@@ -98,7 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--container-mounts", type=container_mounts, help="extra pyxis mounts, src:dst[,src:dst]"
     )
-    parser.add_argument("--log-dir", default="logs", help="per-job directory with per-rank logs goes here")
+    parser.add_argument(
+        "--log-dir", type=cli.non_empty, default="logs", help="per-job directory with per-rank logs goes here"
+    )
     parser.add_argument(
         "--python",
         type=cli.non_empty,

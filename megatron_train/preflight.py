@@ -114,7 +114,7 @@ def run(
 @cli.entry_point
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", type=cli.non_empty, required=True)
     parser.add_argument("--nodes", type=cli.positive_int, default=1)
     parser.add_argument("--gpus-per-node", type=cli.positive_int, default=8)
     parser.add_argument(

@@ -46,7 +46,7 @@ EXIT_STOPPED_EARLY = 3
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", required=True, help="YAML experiment config")
+    parser.add_argument("--config", type=cli.non_empty, required=True, help="YAML experiment config")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     return parser.parse_intermixed_args(argv)
 

@@ -471,6 +471,14 @@ CASES = [
         "argument --hf: an empty value",
     ),
     Case("inspect-empty-path", "inspect", _args(""), "argument path: an empty value"),
+    Case("train-config-empty", "train", _args("--config", ""), "argument --config: an empty value"),
+    Case("preflight-config-empty", "preflight", _args("--config", ""), "argument --config: an empty value"),
+    Case(
+        "submit-log-dir-empty",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--log-dir", "", "--dry-run"),
+        "argument --log-dir: an empty value",
+    ),
     Case(
         "generate-tokenizer-empty",
         "generate",
