@@ -34,8 +34,24 @@ def for_hf(hf: dict) -> Family:
     archs = hf.get("architectures") or []
     for family in FAMILIES.values():
         if len(archs) == 1 and archs[0] in family.hf_architectures:
+            _check_model_type(hf, archs[0])
             return family
     supported = [a for family in FAMILIES.values() for a in family.hf_architectures]
     raise ConversionError(
         f"unsupported architecture {shown(archs or hf.get('model_type'))}; supported: {', '.join(supported)}"
     )
+
+
+def _check_model_type(hf: dict, architecture: str) -> None:
+    """transformers' AutoModelForCausalLM builds the class of ``model_type``; ``architectures``
+    only names the class that saved the file. Where the two differ (an edited config.json), the
+    family read here would not be the model transformers builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CLASSES
+
+    model_type = hf.get("model_type")
+    if isinstance(model_type, str) and CLASSES.get(model_type) not in (None, architecture):
+        raise ConversionError(
+            f"config.json names the architecture {architecture} but model_type {model_type!r}, from which "
+            f"transformers builds {CLASSES[model_type]}: the two describe different models; correct one of "
+            "them in config.json, or download the model again"
+        )

@@ -1392,6 +1392,16 @@ CASES = [
         "GPT2LMHeadModel",
         _hf_copy(_edit_hf_config(lambda c: c.update(architectures=["GPT2LMHeadModel"]))),
     ),
+    # transformers builds the class of model_type, not of architectures: this one is GPT-2 to it
+    Case(
+        "import-hf-model-type-of-another-model",
+        "convert",
+        _args(
+            "import-hf", "--hf", "WS/cases/import-hf-model-type-of-another-model/hf", "--out", "WS/cases/o"
+        ),
+        "names the architecture LlamaForCausalLM but model_type 'gpt2'",
+        _hf_copy(_edit_hf_config(lambda c: c.update(model_type="gpt2"))),
+    ),
     # transformers applies a rope_scaling dict over rope_parameters: importing without it computes
     # another model
     Case(
