@@ -3,6 +3,8 @@ config.json. Adding a family: a package in ``models/`` that builds a Family, lis
 
 from __future__ import annotations
 
+import json
+
 from megatron_train.config import ModelConfig
 from megatron_train.errors import ConfigError, ConversionError, shown
 from megatron_train.models import llama, mixtral, qwen3
@@ -32,6 +34,11 @@ def preset(name: str) -> tuple[Family, dict]:
 def for_hf(hf: dict) -> Family:
     """The family that reads a Hugging Face config.json (its one ``architectures`` entry)."""
     archs = hf.get("architectures") or []
+    if isinstance(archs, str):
+        raise ConversionError(
+            f"config.json architectures={archs!r}: expected a list of the one class that saved it, "
+            f"{json.dumps([archs])}; correct config.json, or download the model again"
+        )
     for family in FAMILIES.values():
         if len(archs) == 1 and archs[0] in family.hf_architectures:
             _check_model_type(hf, archs[0])

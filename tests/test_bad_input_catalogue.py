@@ -1392,6 +1392,21 @@ CASES = [
         "GPT2LMHeadModel",
         _hf_copy(_edit_hf_config(lambda c: c.update(architectures=["GPT2LMHeadModel"]))),
     ),
+    # transformers' strict config fields refused it, in a traceback from the tokenizer's load
+    Case(
+        "import-hf-token-id-a-string",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-token-id-a-string/hf", "--out", "WS/cases/o"),
+        "(Field 'eos_token_id' with value '2' doesn't match any type in",
+        _hf_copy(_edit_hf_config(lambda c: c.update(eos_token_id="2"))),
+    ),
+    Case(
+        "import-hf-architectures-a-string",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-architectures-a-string/hf", "--out", "WS/cases/o"),
+        'expected a list of the one class that saved it, ["LlamaForCausalLM"]',
+        _hf_copy(_edit_hf_config(lambda c: c.update(architectures="LlamaForCausalLM"))),
+    ),
     # transformers builds the class of model_type, not of architectures: this one is GPT-2 to it
     Case(
         "import-hf-model-type-of-another-model",

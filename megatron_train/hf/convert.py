@@ -90,6 +90,24 @@ def _check_dtype(hf: dict, weights: HFWeights) -> torch.dtype:
     return dtype
 
 
+def _check_transformers_reads(hf_dir: Path) -> None:
+    """transformers reads the config.json too: a field of the wrong type that the import itself
+    does not use (a token id given as a string) would fail every load of the result, the
+    tokenizer's included."""
+    import transformers
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        transformers.AutoConfig.from_pretrained(str(hf_dir))
+    except (StrictDataclassError, TypeError, ValueError) as err:
+        # A strict field's own TypeError names the field, its value and the types it takes.
+        why = " ".join(str(err.__cause__ or err).split()).split(". Errors:")[0]
+        raise ConversionError(
+            f"transformers cannot read {Path(hf_dir) / 'config.json'} ({why}); correct config.json, or "
+            "download the model again"
+        ) from None
+
+
 def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
     """Whether tokenizer files are present; their vocabulary must fit the embedding."""
     if not any((Path(hf_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
@@ -134,6 +152,7 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
     # Inside it, the checkpoint would become part of the model directory (and be uploaded with it).
     _check_outside(out, hf_dir, "the Hugging Face directory")
     cfg = imported_config(hf, tensor, pipeline, vocab_pad_multiple)
+    _check_transformers_reads(hf_dir)
     m, family = cfg.model, family_of(cfg.model)
     weights = HFWeights(hf_dir)
     _check_weights(weights, family, m, log)
