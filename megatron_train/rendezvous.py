@@ -86,6 +86,20 @@ def _one_line(message: str, timeout: datetime.timedelta) -> ConfigError | None:
             "start every rank (a node's log may show one that failed to start), or raise the timeout "
             "for a slow start",
         )
+    if "Ping failed, invalid value returned from server" in message:
+        return ConfigError(
+            "MASTER_PORT",
+            f"what answers at {_meeting_point()} is not a torch rendezvous: another program listens there",
+            "set MASTER_ADDR and MASTER_PORT to rank 0's node and the port it opens (torchrun and srun "
+            "set both)",
+        )
+    if "Broken pipe" in message or "Connection reset by peer" in message:
+        return ConfigError(
+            "MASTER_PORT",
+            f"the connection to {_meeting_point()} broke while the ranks met: another program listens "
+            "there, or rank 0 ended",
+            "set MASTER_PORT to the port rank 0 opens, and see rank 0's log",
+        )
     if "trying to connect to" in message:
         return ConfigError(
             "MASTER_ADDR",

@@ -7,6 +7,7 @@ Cases run in-process (each entry point's ``main``) for speed; tests elsewhere co
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,6 +238,24 @@ def _master_port_taken(ws: Path, case_id: str) -> None:
     sock.bind(("", int(os.environ["MASTER_PORT"])))
     sock.listen()
     _HELD.append(sock)
+
+
+def _another_program_on_master_port(ws: Path, case_id: str) -> None:
+    """A program other than torch's store at MASTER_PORT (a web server), answering each connection."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+    sock.listen()
+    _HELD.append(sock)
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):  # the socket closes when the tests end
+            while True:
+                client, _ = sock.accept()
+                client.recv(64)
+                client.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                _HELD.append(client)  # open, as a server waiting for the rest of a request keeps it
+
+    threading.Thread(target=answer, daemon=True).start()
 
 
 def _data_tokenized_again(ws: Path, case_id: str) -> None:
@@ -904,6 +924,14 @@ CASES = [
         _train(FRESH),
         "for the job's 2 ranks and only 1 joined",
         env={"WORLD_SIZE": "2", "MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "0.05"},
+    ),
+    Case(
+        "launch-another-program-at-the-meeting-point",
+        "train",
+        _train(FRESH),
+        "is not a torch rendezvous: another program listens there",
+        _another_program_on_master_port,
+        env={"RANK": "1", "WORLD_SIZE": "2", "MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "0.05"},
     ),
     Case(
         "launch-rank-0-never-started",
