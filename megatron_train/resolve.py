@@ -112,7 +112,14 @@ def imported_config(hf: dict, tensor: int, pipeline: int, vocab_pad_multiple: in
     model = ModelConfig(**hf_model_options(hf), vocab_pad_multiple=vocab_pad_multiple)
     cfg = ExperimentConfig(model=model, parallel=ParallelConfig(tensor=tensor, pipeline=pipeline))
     cfg.data.seq_length = min(cfg.data.seq_length, model.max_position_embeddings)
-    _fits_layout(cfg, tensor * pipeline)
+    try:
+        _fits_layout(cfg, tensor * pipeline)
+    except ConfigError as err:
+        if err.key != "model.vocab_pad_multiple":
+            raise
+        # The tool's flag, not a config key its user never wrote.
+        flag = "--vocab-pad-multiple"
+        raise ConfigError(flag, err.problem, err.fix.replace(err.key, flag)) from None
     return cfg
 
 

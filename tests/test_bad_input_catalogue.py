@@ -1380,6 +1380,12 @@ CASES = [
     ),
     # convert: import-hf
     Case(
+        "import-hf-vocab-pad-multiple-past-its-range",
+        "convert",
+        _args("import-hf", "--hf", "WS/hf", "--out", "WS/cases/o", "--vocab-pad-multiple", "100000"),
+        "config error at '--vocab-pad-multiple': 100000 is out of range. Fix: set --vocab-pad-multiple to",
+    ),
+    Case(
         "import-hf-missing",
         "convert",
         _args("import-hf", "--hf", "WS/nothing", "--out", "WS/cases/o"),
