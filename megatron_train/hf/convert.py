@@ -97,6 +97,9 @@ def _check_transformers_reads(hf_dir: Path) -> None:
     import transformers
     from huggingface_hub.errors import StrictDataclassError
 
+    # Its warnings on a config it reads (a field it would set otherwise) are not this check's.
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
     try:
         transformers.AutoConfig.from_pretrained(str(hf_dir))
     except (StrictDataclassError, TypeError, ValueError) as err:
@@ -106,6 +109,8 @@ def _check_transformers_reads(hf_dir: Path) -> None:
             f"transformers cannot read {Path(hf_dir) / 'config.json'} ({why}); correct config.json, or "
             "download the model again"
         ) from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
 
 
 def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
