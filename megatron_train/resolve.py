@@ -176,8 +176,8 @@ def _apply_hf_architecture(raw: dict) -> None:
             "model.preset", "conflicts with the Hugging Face model in checkpoint.init_from", "remove it"
         )
     # The longest sequence is no weight of these RoPE models: a run may train on longer ones than
-    # the Hugging Face model was made for (a longer context, say).
-    kept = {"max_position_embeddings"} & model.keys()
+    # the Hugging Face model was made for (a longer context, say). Dropout is a training choice.
+    kept = {"max_position_embeddings", "attention_dropout"} & model.keys()
     for key, value in options.items():
         if key in model and key not in kept and model[key] != value:
             raise ConfigError(

@@ -124,6 +124,7 @@ def common_options(hf: dict, family: str) -> dict:
         "rope_scaling": scaling is not None,
         **scaled,
         "tie_embeddings": flag(hf, "tie_word_embeddings"),
+        "attention_dropout": _number("attention_dropout", hf.get("attention_dropout", 0.0)),
     }
 
 
@@ -157,6 +158,7 @@ def common_fields(m: ModelConfig, special_tokens: dict[str, int | None]) -> dict
         max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.norm_eps,
         tie_word_embeddings=m.tie_embeddings,
+        attention_dropout=m.attention_dropout,
         hidden_act="silu",
         rope_parameters=rope,
         **special_tokens,

@@ -378,6 +378,24 @@ def test_moe_options_transformers_cannot_express_are_refused_on_export(family, o
         registry.family_of(m).hf_config(m, torch.float32, {})
 
 
+def test_attention_dropout_travels_with_the_model_and_a_run_may_choose_its_own(tmp_path):
+    """config.json's attention_dropout is the imported model's, and an export writes ours; a run
+    starting from the directory takes it unless its config sets model.attention_dropout (dropout
+    is a training choice, not part of the weights)."""
+    from megatron_train import resolve
+    from models.hf_config import common_fields
+
+    hf = {**FAMILIES["qwen2"]().to_dict(), "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.1}
+    assert resolve.hf_model_options(hf)["attention_dropout"] == 0.1
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    init = {"checkpoint": {"init_from": str(tmp_path)}}
+    assert resolve.build_config(init).model.attention_dropout == 0.1
+    own = resolve.build_config({**init, "model": {"attention_dropout": 0.0}})
+    assert own.model.attention_dropout == 0.0
+    assert common_fields(own.model, {})["attention_dropout"] == 0.0
+
+
 @pytest.mark.parametrize(
     ("family", "field", "value", "says"),
     [
@@ -390,6 +408,8 @@ def test_moe_options_transformers_cannot_express_are_refused_on_export(family, o
         ("qwen3", "head_dim", -32, "head_dim: -32 is out of range (megatron-train's model.kv_channels"),
         ("qwen3_moe", "num_experts_per_tok", 0, "num_experts_per_tok: 0 is out of range "
          "(megatron-train's model.moe_router_topk"),
+        ("qwen2", "attention_dropout", 1.5, "attention_dropout: 1.5 is out of range (megatron-train's "
+         "model.attention_dropout"),
     ],
 )  # fmt: skip
 def test_config_json_values_no_model_takes_name_the_config_json_field(tmp_path, family, field, value, says):
