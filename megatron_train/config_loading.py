@@ -153,8 +153,85 @@ def check_paths_written_out(cfg: Any, prefix: str = "") -> None:
                     )
 
 
+# Megatron-LM's arguments (``--train-iters`` as ``train_iters``) whose options here have other names;
+# one of the same name in another section is found without this table.
+MEGATRON_LM_NAMES = {
+    "tensor_model_parallel_size": "parallel.tensor",
+    "pipeline_model_parallel_size": "parallel.pipeline",
+    "num_virtual_stages_per_pipeline_rank": "parallel.virtual_pipeline",
+    "context_parallel_size": "parallel.context",
+    "expert_model_parallel_size": "parallel.expert",
+    "expert_tensor_parallel_size": "parallel.expert_tensor",
+    "train_iters": "train.steps",
+    "eval_iters": "train.eval_steps",
+    "bf16": "train.precision",
+    "exit_duration_in_mins": "train.exit_after_minutes",
+    "data_path": "data.blend",
+    "tokenizer_model": "data.tokenizer.path",
+    "tokenizer_type": "data.tokenizer.type",
+    "save": "checkpoint.save_dir",
+    "save_interval": "checkpoint.interval",
+    "lr_decay_style": "optimizer.decay_style",
+    "lr_warmup_iters": "optimizer.warmup_steps",
+    "lr_decay_iters": "optimizer.decay_steps",
+    "lr_wsd_decay_iters": "optimizer.wsd_decay_steps",
+    "use_distributed_optimizer": "optimizer.distributed",
+    "norm_epsilon": "model.norm_eps",
+    "make_vocab_size_divisible_by": "model.vocab_pad_multiple",
+    "qk_layernorm": "model.qk_norm",
+    "add_qkv_bias": "model.qkv_bias",
+    "use_rope_scaling": "model.rope_scaling",
+    "recompute_granularity": "model.recompute",
+    "cross_entropy_loss_fusion": "model.cross_entropy_fusion",
+    "moe_token_dispatcher_type": "model.moe_token_dispatcher",
+    "moe_router_enable_expert_bias": "model.moe_router_expert_bias",
+    "moe_shared_expert_intermediate_size": "model.moe_shared_expert_ffn_hidden_size",
+    "profile_step_start": "profile.start_step",
+}
+
+
+class _UnknownKey(ConfigError):
+    """A key ``cls`` has no field for, whose hint the outermost :func:`from_dict` chooses: only it
+    knows every section."""
+
+    def __init__(self, prefix: str, name: Any, names: list[str]) -> None:
+        self.prefix, self.name, self.names = prefix, str(name), names
+        super().__init__(f"{prefix}{name}", "unknown key", f"valid keys: {names}")
+
+
+def _option_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every option of dataclass ``cls`` as its dotted key."""
+    keys = []
+    for name, tp in typing.get_type_hints(cls).items():
+        keys += _option_keys(tp, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) else [prefix + name]
+    return keys
+
+
+def _unknown_key_hint(cls: type, err: _UnknownKey) -> str:
+    """What ``err``'s key may have meant: the option Megatron-LM's argument of that name is here,
+    the one option of that name in another section, or a near name in its own section."""
+    keys = _option_keys(cls)
+    name = err.name.replace("-", "_")
+    if MEGATRON_LM_NAMES.get(name) in keys:
+        return f"Megatron-LM's --{name.replace('_', '-')} is '{MEGATRON_LM_NAMES[name]}' here"
+    elsewhere = [key for key in keys if key.rsplit(".", 1)[-1] == name]
+    if len(elsewhere) == 1:
+        return f"did you mean '{elsewhere[0]}'?"
+    close = difflib.get_close_matches(err.name, err.names, n=1)
+    return f"did you mean '{err.prefix}{close[0]}'?" if close else err.fix
+
+
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict, rejecting unknown keys and wrong types."""
+    try:
+        return _from_dict(cls, data, prefix)
+    except _UnknownKey as err:
+        if prefix:  # an outer from_dict knows more sections
+            raise
+        raise ConfigError(err.key, err.problem, _unknown_key_hint(cls, err)) from None
+
+
+def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     key = prefix.rstrip(".") or "<top level>"
     if not isinstance(data, dict):
         raise ConfigError(key, f"expected a mapping, got {shown(data)}", "write key: value pairs")
@@ -163,9 +240,7 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     kwargs = {}
     for name, value in data.items():
         if name not in names:
-            close = difflib.get_close_matches(str(name), names, n=1)
-            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {names}"
-            raise ConfigError(f"{prefix}{name}", "unknown key", hint)
+            raise _UnknownKey(prefix, name, names)
         kwargs[name] = _coerce(value, hints[name], prefix + name)
     return cls(**kwargs)
 

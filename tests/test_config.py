@@ -190,6 +190,29 @@ def test_unknown_key_suggests_the_close_one(good_config):
     assert info.value.key == "optimizer.warmup_step" and "optimizer.warmup_steps" in info.value.fix
 
 
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        # An option of another section, even where the own section has a near name (data.split).
+        ("data.steps=5", "did you mean 'train.steps'?"),
+        ("lr=1e-3", "did you mean 'optimizer.lr'?"),
+        ("model.seed=1", "did you mean 'train.seed'?"),
+        # Megatron-LM's arguments, as a YAML key or as the flag's own spelling.
+        (
+            "parallel.tensor_model_parallel_size=2",
+            "Megatron-LM's --tensor-model-parallel-size is 'parallel.tensor'",
+        ),
+        ("train-iters=10", "Megatron-LM's --train-iters is 'train.steps' here"),
+        ("bf16=true", "Megatron-LM's --bf16 is 'train.precision' here"),
+        ("data.tokenizer.kind=x", "valid keys: ['type', 'path']"),
+    ],
+)
+def test_unknown_key_names_the_option_it_is_elsewhere(good_config, override, hint):
+    with pytest.raises(ConfigError) as info:
+        load_config(good_config, [override])
+    assert info.value.key == override.partition("=")[0] and hint in info.value.fix, info.value
+
+
 def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
     result = run_tool(
         "-m", "megatron_train.train", "--config", str(good_config), "parallel.tensor=3", check=False
