@@ -3,8 +3,9 @@
 # NPROC defaults to the number of GPUs; on a CPU-only machine pass the rank count you want.
 set -euo pipefail
 usage="launch/local.sh [NPROC] --config configs/X.yaml [key=value ...]"
-if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$((10#$1)); shift
-    if (( NPROC < 1 )); then echo "error: launch/local.sh: NPROC is $NPROC. Fix: launch at least 1 rank: $usage" >&2; exit 2; fi
+# Leading zeros dropped as text: bash's arithmetic wraps a count past 64 bits into another number.
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC=$(sed 's/^0*\(.\)/\1/' <<<"$1"); shift
+    if [[ "$NPROC" == 0 ]]; then echo "error: launch/local.sh: NPROC is $NPROC. Fix: launch at least 1 rank: $usage" >&2; exit 2; fi
 elif [[ -n "${1:-}" && ( "$1" != -* || "$1" =~ ^-[0-9.]+$ ) ]]; then
     echo "error: launch/local.sh: '$1' is not a rank count. Fix: $usage" >&2; exit 2
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then NPROC=$(nvidia-smi -L | wc -l)

@@ -119,7 +119,7 @@ def launch_problem(args: argparse.Namespace) -> str | None:
     if available is not None and local_world_size * floor > available:
         return (
             f"--nproc-per-node {args.nproc_per_node}: {local_world_size} ranks take at least "
-            f"{local_world_size * floor / 2**30:.1f} GiB ({floor / 2**30:.2f} GiB each for torch and "
+            f"{local_world_size * floor / 2**30:,.1f} GiB ({floor / 2**30:.2f} GiB each for torch and "
             f"megatron-core alone), above the {available / 2**30:.1f} GiB this machine has free. "
             f"Fix: start at most {max(1, available // floor)} ranks per node"
         )

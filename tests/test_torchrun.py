@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +57,7 @@ def test_the_launcher_names_the_first_failed_rank_and_how_it_ended(codes, says):
     ("args", "says"),
     [
         (["0", "--config", "configs/demo.yaml"], "NPROC is 0"),
+        (["000", "--config", "configs/demo.yaml"], "NPROC is 0"),
         (["eight", "--config", "configs/demo.yaml"], "'eight' is not a rank count"),
         (["-1", "--config", "configs/demo.yaml"], "'-1' is not a rank count"),
         pytest.param(
@@ -68,6 +70,17 @@ def test_the_local_launcher_refuses_a_rank_count_it_cannot_start(args, says):
     result = subprocess.run(["bash", "launch/local.sh", *args], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.startswith("error: launch/local.sh: ") and says in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_the_local_launcher_passes_a_count_past_64_bits_on_as_written():
+    """bash's arithmetic would wrap it into another number, which the refusal would then name."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    command = ["bash", "launch/local.sh", "0099999999999999999999", "--config", "configs/demo.yaml"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 2
+    count = "99999999999999999999"
+    assert result.stderr.startswith(f"error: --nproc-per-node {count}: {count} ranks take at least")
     assert len(result.stderr.splitlines()) == 1
 
 
