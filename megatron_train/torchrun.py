@@ -12,20 +12,27 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import resource
 import signal
+import socket
 import sys
+from importlib.metadata import entry_points
+from pathlib import Path
 from typing import NoReturn
 
 import torch
-from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.events.handlers import get_logging_handler
+from torch.distributed.elastic.multiprocessing import SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import determine_local_world_size, get_args_parser, parse_min_max_nnodes, run
 
 from megatron_train import cli
+from megatron_train.errors import ConfigError
 from megatron_train.host_memory import available_memory
+from megatron_train.outputs import check_output_dir
 from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
 
 # The exit codes a rank gives after reporting for itself.
@@ -140,6 +147,90 @@ def launch_problem(args: argparse.Namespace) -> str | None:
             return (
                 f"--rdzv-endpoint {args.rdzv_endpoint}: {str(err).rstrip('.')}. Fix: give HOST or HOST:PORT"
             )
+    # A static rendezvous waits forever for a node of a rank beyond its count.
+    if args.rdzv_backend == "static" and max_nodes > 1 and not 0 <= args.node_rank < max_nodes:
+        return (
+            f"--node-rank {args.node_rank}: outside the {max_nodes} nodes of --nnodes. Fix: number the nodes "
+            f"from 0 to {max_nodes - 1}"
+        )
+    return _rendezvous_problem(args) or _agent_problem(args) or _output_problem(args, local_world_size)
+
+
+# torch's rendezvous backends; another name is torch's "is not registered" traceback.
+_RENDEZVOUS_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+
+
+def _rendezvous_problem(args: argparse.Namespace) -> str | None:
+    """--rdzv-backend, --rdzv-conf and --local-addr, as the rendezvous would meet them: a traceback
+    (an unknown backend, a malformed or negative option) or, for an address that does not resolve,
+    a C++ trace after minutes of retries."""
+    if args.rdzv_backend not in _RENDEZVOUS_BACKENDS:
+        return f"--rdzv-backend {args.rdzv_backend}: not a rendezvous backend. Fix: use c10d (or static)"
+    for option in filter(None, args.rdzv_conf.split(",")):
+        key, _, value = option.partition("=")
+        if not key.strip() or not value.strip():
+            return (
+                f"--rdzv-conf {args.rdzv_conf}: {option!r} is not key=value. Fix: write KEY=VALUE,KEY=VALUE"
+            )
+        if key.strip().endswith("timeout") and not (value.strip().isdigit() and int(value) > 0):
+            return (
+                f"--rdzv-conf {args.rdzv_conf}: {key.strip()}={value} is not a number of seconds. Fix: give "
+                "whole seconds above 0"
+            )
+    if args.local_addr:
+        try:
+            socket.getaddrinfo(args.local_addr, None)
+        except (OSError, UnicodeError):
+            return (
+                f"--local-addr {args.local_addr}: this node knows no such address. Fix: give this node's "
+                "host name or IP address, or leave it out"
+            )
+    return None
+
+
+def _agent_problem(args: argparse.Namespace) -> str | None:
+    """--monitor-interval, --event-log-handler and --logs-specs, which the agent would refuse with
+    a traceback once the rendezvous is done."""
+    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
+        return f"--monitor-interval {args.monitor_interval:g}: not a time to wait. Fix: give seconds above 0"
+    try:
+        get_logging_handler(args.event_log_handler)
+    except KeyError:
+        return f"--event-log-handler {args.event_log_handler}: no such handler. Fix: use console or null"
+    if args.logs_specs is not None:
+        names = sorted(e.name for e in entry_points(group="torchrun.logs_specs"))
+        if args.logs_specs not in names:
+            return f"--logs-specs {args.logs_specs}: no such logs spec. Fix: use one of {', '.join(names)}"
+    return None
+
+
+def _output_problem(args: argparse.Namespace, local_world_size: int) -> str | None:
+    """--redirects, --tee, --local-ranks-filter and --log-dir, where the ranks' output goes."""
+    for flag, value in (("--redirects", args.redirects), ("--tee", args.tee)):
+        try:
+            Std.from_str(value)
+        except ValueError:
+            return (
+                f"{flag} {value}: not a choice of streams. Fix: give 0 (none), 1 (stdout), 2 (stderr) or 3 "
+                "(both), for every rank or as LOCAL_RANK:N,LOCAL_RANK:N"
+            )
+    if args.local_ranks_filter:
+        parts = args.local_ranks_filter.split(",")
+        if not all(part.strip().isdigit() for part in parts):
+            return (
+                f"--local-ranks-filter {args.local_ranks_filter}: not a list of local ranks. Fix: give them "
+                "separated by commas, such as 0,1"
+            )
+        if not any(int(part) < local_world_size for part in parts):
+            return (
+                f"--local-ranks-filter {args.local_ranks_filter}: names none of the {local_world_size} local "
+                f"ranks, so no rank's output would show. Fix: name ranks from 0 to {local_world_size - 1}"
+            )
+    if args.log_dir and args.log_dir != os.devnull:
+        try:
+            check_output_dir("--log-dir", Path(args.log_dir))
+        except ConfigError as err:
+            return f"--log-dir {args.log_dir}: {err.problem}. Fix: {err.fix}"
     return None
 
 

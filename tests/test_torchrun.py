@@ -125,12 +125,36 @@ TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
     [
         (["--nproc-per-node", "0", *TRAIN], "--nproc-per-node 0: 0 ranks per node"),
         (["--nproc-per-node", "two", *TRAIN], "--nproc-per-node two: Unsupported nproc_per_node"),
-        # torchrun's own answers: an AssertionError, a ValueError deep in its rendezvous, its usage
+        # torchrun's own answers: an AssertionError, a ValueError deep in its rendezvous or agent, a
+        # static rendezvous waiting forever, minutes of retries for an unknown address, its usage
         (["--nnodes", "0", *TRAIN], "--nnodes 0: not a node count"),
         (["--nnodes", "2:1", *TRAIN], "--nnodes 2:1: not a node count"),
         (["--max-restarts", "-1", *TRAIN], "--max-restarts -1: below 0"),
         (["--master-port", "99999", *TRAIN], "--master-port 99999: not a port"),
         (["--nnodes", "2", "--rdzv-endpoint", "host:port", *TRAIN], "--rdzv-endpoint host:port"),
+        (["--nnodes", "2", "--rdzv-backend", "static", "--node-rank", "2", *TRAIN], "--node-rank 2: outside"),
+        (["--rdzv-backend", "etcd3", *TRAIN], "--rdzv-backend etcd3: not a rendezvous backend"),
+        (
+            ["--rdzv-conf", "join_timeout", *TRAIN],
+            "--rdzv-conf join_timeout: 'join_timeout' is not key=value",
+        ),
+        (["--rdzv-conf", "join_timeout=-5", *TRAIN], "--rdzv-conf join_timeout=-5: join_timeout=-5 is not a"),
+        (
+            ["--local-addr", "no-such-host.invalid", *TRAIN],
+            "--local-addr no-such-host.invalid: this node knows",
+        ),
+        (["--monitor-interval", "0", *TRAIN], "--monitor-interval 0: not a time to wait"),
+        (["--monitor-interval", "nan", *TRAIN], "--monitor-interval nan: not a time to wait"),
+        (["--event-log-handler", "file", *TRAIN], "--event-log-handler file: no such handler"),
+        (["--logs-specs", "json", *TRAIN], "--logs-specs json: no such logs spec"),
+        (["--tee", "4", *TRAIN], "--tee 4: not a choice of streams"),
+        (["--redirects", "0:3,1:9", *TRAIN], "--redirects 0:3,1:9: not a choice of streams"),
+        (["--local-ranks-filter", "first", *TRAIN], "--local-ranks-filter first: not a list of local ranks"),
+        (
+            ["--nproc-per-node", "2", "--local-ranks-filter", "2,3", *TRAIN],
+            "--local-ranks-filter 2,3: names none",
+        ),
+        (["--log-dir", "configs/demo.yaml/logs", *TRAIN], "--log-dir configs/demo.yaml/logs: configs/demo"),
         (["--standalone", "--bogus", *TRAIN], "unrecognized arguments: --bogus"),
         ([], "the following arguments are required: training_script"),
     ],
