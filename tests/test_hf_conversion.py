@@ -391,6 +391,7 @@ def test_attention_dropout_travels_with_the_model_and_a_run_may_choose_its_own(t
     (tmp_path / "model.safetensors").write_bytes(b"")
     init = {"checkpoint": {"init_from": str(tmp_path)}}
     assert resolve.build_config(init).model.attention_dropout == 0.1
+    assert common_fields(resolve.build_config(init).model, {})["attention_dropout"] == 0.1
     own = resolve.build_config({**init, "model": {"attention_dropout": 0.0}})
     assert own.model.attention_dropout == 0.0
     assert common_fields(own.model, {})["attention_dropout"] == 0.0
