@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, run_tool, torchrun, torchrun_env, train_losses, write_config
+from conftest import ROOT, load_tool, run_tool, torchrun, torchrun_env, train_losses, write_config
 from safetensors.torch import load_file, save_file
 
 from megatron_train.hf.model_dir import read_hf_config
@@ -188,6 +188,16 @@ def test_export_shards_large_models_and_transformers_loads_them(tmp_path, hf_mod
     original = transformers.AutoModelForCausalLM.from_pretrained(hf_models["llama"], dtype=torch.float32)
     for (key, a), b in zip(original.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize(("temperature", "drawn"), [(1e-320, {1}), (1e308, {0, 1, 2, 3})])
+def test_sampling_takes_any_positive_temperature(temperature, drawn):
+    """A temperature near 0 draws the most likely token, a huge one draws every token alike;
+    dividing the raw logits by 1e-320 sent them all to infinity, whose softmax is nan."""
+    next_token = load_tool("tools/generate.py").next_token
+    logits = torch.tensor([2.0, 5.0, 1.0, 4.9], dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    assert {next_token(logits, 1.0, temperature, gen) for _ in range(200)} == drawn
 
 
 @pytest.mark.slow

@@ -29,7 +29,10 @@ def next_token(logits: torch.Tensor, top_p: float | None, temperature: float, ge
     """Greedy (``top_p`` None) or nucleus sampling from one position's logits."""
     if top_p is None:
         return int(logits.argmax())
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    # Shifted so the largest is 0 before dividing: a tiny temperature then sends the others to
+    # -inf (probability 0) rather than every logit to +-inf, whose softmax is nan.
+    shifted = logits.double() - logits.max().double()
+    probs = torch.softmax(shifted / temperature, dim=-1)
     sorted_probs, order = probs.sort(descending=True)
     # Keep each token whose preceding mass is below p: the smallest set reaching p.
     keep = sorted_probs.cumsum(0) - sorted_probs < top_p
