@@ -185,7 +185,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "smoke.log"
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    sh(["bash", "launch/demo_data.sh", str(os.cpu_count() or 2)], log, {**os.environ, "PATH": path})
+    sh(["bash", "launch/demo_data.sh", str(len(os.sched_getaffinity(0)))], log, {**os.environ, "PATH": path})
     summary = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}"]
     failed = 0
     for name in checks:

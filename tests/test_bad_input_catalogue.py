@@ -2011,6 +2011,36 @@ CASES = [
         "--workers",
     ),
     Case(
+        "preprocess-workers-past-the-cores",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+            "--workers",
+            "10000",
+        ),
+        "--workers",
+    ),
+    Case(
+        "preprocess-batch-size-past-64-bits",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-dir",
+            "WS/cases/p/shards",
+            "--tokenizer",
+            "WS/corpus/spm.model",
+            "--batch-size",
+            "99999999999999999999",
+        ),
+        "--batch-size",
+    ),
+    Case(
         "preprocess-unknown-suffix",
         "preprocess",
         _args(

@@ -8,10 +8,10 @@ Input: files, glob patterns and directories of jsonl (plain, .gz, .zst), parquet
 document per line), streamed in order without a copy. ``--text-key`` names the text field (a
 dotted path such as ``meta.body`` reaches into nested objects). Empty and null texts are skipped
 and counted. Documents are tokenized a batch at a time with the tokenizer library's own threads
-(``--workers`` in all); text never produces a special token (a literal ``<s>`` is text). Each
-document is followed by the tokenizer's end-of-document token (EOD, the id megatron-core's
-tokenizer calls ``eod``) and written in megatron-core's indexed dataset format, one sequence per
-document.
+(``--workers`` in all, at most the CPU cores the tool may run on); text never produces a special
+token (a literal ``<s>`` is text). Each document is followed by the tokenizer's end-of-document
+token (EOD, the id megatron-core's tokenizer calls ``eod``) and written in megatron-core's indexed
+dataset format, one sequence per document.
 
 ``--output-prefix`` writes one dataset, never over an existing one. ``--output-dir`` writes one
 per input file (named after its path below the inputs' common folder), several files at a time; a
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", required=True, help="SentencePiece .model or HF directory")
     parser.add_argument("--text-key", default="text", help="the text field; a.b for a nested one")
     parser.add_argument(
-        "--workers", type=cli.positive_int, default=os.cpu_count() or 1, help="threads in all"
+        "--workers", type=cli.positive_int, default=len(os.sched_getaffinity(0)), help="threads in all"
     )
     parser.add_argument("--batch-size", type=cli.positive_int, default=1024, help="documents per batch")
     args = parser.parse_args(argv)
@@ -93,7 +93,30 @@ class Job:
     threads: int
 
 
+def check_counts(workers: int, batch_size: int) -> None:
+    """Refuse more threads than the CPU cores this process may run on (its affinity, which Slurm's
+    --cpus-per-task narrows; two pass on one core, as the demo's do): the tokenizers start them all
+    at once, so 10,000 took a minute to tokenize 20 documents and 2**31 never finished. And a
+    batch past what Python can slice."""
+    cores = len(os.sched_getaffinity(0))
+    most = max(cores, 2)
+    if workers > most:
+        raise ConfigError(
+            "--workers",
+            f"is {workers:,}, more threads than the {cores} CPU core{'s' * (cores != 1)} this process "
+            "may run on",
+            f"set --workers to at most {most}",
+        )
+    if batch_size > sys.maxsize:
+        raise ConfigError(
+            "--batch-size",
+            f"is {batch_size:,}, more documents than Python can slice",
+            f"set --batch-size to at most {sys.maxsize:,} (the default is 1024)",
+        )
+
+
 def preprocess(args: argparse.Namespace) -> None:
+    check_counts(args.workers, args.batch_size)
     if args.output_dir:
         out = Path(args.output_dir)
         check_output_dir("--output-dir", out)
