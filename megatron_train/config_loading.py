@@ -33,12 +33,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Annotated:
         base, *declarations = typing.get_args(tp)
-        value = _coerce(value, base, key)
+        try:
+            value = _coerce(value, base, key)
+        except ConfigError:
+            # An integer past 64 bits that is past the field's range too: the range names the
+            # values wanted, where the 64-bit bound would offer one the range refuses.
+            if isinstance(value, int) and not isinstance(value, bool):
+                _check_ranges(value, declarations, key)
+            raise
+        _check_ranges(value, declarations, key)
         for rule in declarations:
-            if isinstance(rule, Range) and not rule.allows(value):
-                raise ConfigError(
-                    key, f"{shown(value)} is out of range", f"set {key} to a value {rule.describe()}"
-                )
             if isinstance(rule, Check) and not rule.accepts(value):
                 raise ConfigError(key, f"{shown(value)} is not valid", f"set {key} to {rule.describe}")
         return value
@@ -87,6 +91,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         f"expected {_type_name(tp)}, got {type(value).__name__} {shown(value)}",
         f"set {key} to {_type_name(tp)}",
     )
+
+
+def _check_ranges(value: float, declarations: list[Any], key: str) -> None:
+    for rule in declarations:
+        if isinstance(rule, Range) and not rule.allows(value):
+            raise ConfigError(
+                key, f"{shown(value)} is out of range", f"set {key} to a value {rule.describe()}"
+            )
 
 
 def _is_mismatch(err: ConfigError) -> bool:

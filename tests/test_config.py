@@ -308,6 +308,21 @@ def test_a_range_error_writes_integer_bounds_whole(good_config):
     assert err.value.fix == "set train.seed to a value >= 0 and <= 4294967295"
 
 
+@pytest.mark.parametrize(
+    ("override", "fix"),
+    [
+        # The range names what is wanted; the 64-bit bound would offer a value the range refuses.
+        (f"train.seed={10**20}", "set train.seed to a value >= 0 and <= 4294967295"),
+        (f"parallel.tensor={-(10**20)}", "set parallel.tensor to a value >= 1"),
+        (f"train.steps={10**20}", "set train.steps to at most 9,223,372,036,854,775,807"),
+    ],
+)
+def test_an_integer_past_64_bits_is_told_the_fields_range(good_config, override, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config(good_config, [override])
+    assert err.value.fix == fix
+
+
 def test_inference_leaves_rope_uncompiled_whatever_training_did(good_config):
     """Generation has no KV cache: every token is a new sequence length, which a compiled RoPE
     would recompile for until torch gives up with a warning (seen with tools/generate.py)."""
