@@ -86,6 +86,9 @@ PositiveFloat = Annotated[float, Range(0, low_open=True)]
 NonNegativeFloat = Annotated[float, Range(0)]
 MINUTES_A_YEAR = 365 * 24 * 60
 """The longest timeout taken: far past any job, and short of where torch's timeouts overflow."""
+MINUTES_SHORTEST = 0.01
+"""The shortest timeout taken (0.6 s): torch keeps timeouts in whole milliseconds, so a shorter
+one became no time at all, and every collective failed as if its peers were missing."""
 Probability = Annotated[float, Range(0, 1, high_open=True)]
 FilePath = Annotated[str, Check(lambda text: bool(text.strip()), "a non-empty path")]
 
@@ -322,10 +325,10 @@ class DataConfig:
     build_threads: PositiveInt = 1
     """Threads building the blend's dataset indices (megatron's ``num_dataset_builder_threads``);
     a blend of many datasets on a parallel filesystem builds faster with 4-8."""
-    build_timeout_minutes: Annotated[float, Range(0, MINUTES_A_YEAR, low_open=True)] = 120.0
+    build_timeout_minutes: Annotated[float, Range(MINUTES_SHORTEST, MINUTES_A_YEAR)] = 120.0
     """How long the other ranks wait while rank 0 builds the dataset index (the first run over a
-    large blend can take far longer than the collective timeout of training); at most a year,
-    beyond which torch's timeouts overflow."""
+    large blend can take far longer than the collective timeout of training); from 0.01 (0.6 s)
+    to a year, beyond which torch's timeouts overflow."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """The tokenizer the data was preprocessed with."""
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_train import cpu_compat, rendezvous
-from megatron_train.config import MINUTES_A_YEAR, ExperimentConfig
+from megatron_train.config import MINUTES_A_YEAR, MINUTES_SHORTEST, ExperimentConfig
 from megatron_train.errors import ConfigError
 
 
@@ -153,10 +153,11 @@ def collective_timeout() -> datetime.timedelta:
         minutes = float(text)
     except ValueError:
         minutes = math.nan
-    if not (math.isfinite(minutes) and 0 < minutes <= MINUTES_A_YEAR):
+    if not (math.isfinite(minutes) and MINUTES_SHORTEST <= minutes <= MINUTES_A_YEAR):
         raise ConfigError(
             "MEGATRON_TRAIN_DIST_TIMEOUT_MIN",
-            f"{text!r} is not a number of minutes above 0 and at most a year ({MINUTES_A_YEAR:,})",
+            f"{text!r} is not a number of minutes from {MINUTES_SHORTEST} (0.6 s) to a year "
+            f"({MINUTES_A_YEAR:,})",
             "set it to how long a collective may wait, e.g. 10",
         )
     return datetime.timedelta(minutes=minutes)

@@ -263,29 +263,40 @@ def report_exit_status(code: int) -> None:
     is written before any rank exits (every rank passes a barrier after the last save).
     """
     path = os.environ.get("MEGATRON_TRAIN_EXIT_STATUS_FILE")
-    if path and cli.first_rank():
+    # A path that could not be written at the start has been reported (check_exit_status_file).
+    if path and cli.first_rank() and _exit_status_problem(path) is None:
         from megatron_train.checkpoint.files import write_atomic
 
-        # A folder that was not writable at the start has been reported (check_exit_status_file).
         with contextlib.suppress(OSError):
             write_atomic(Path(path), f"{code}\n")
 
 
 def check_exit_status_file() -> None:
-    """``$MEGATRON_TRAIN_EXIT_STATUS_FILE`` can be written at the end: its folder is a writable
+    """``$MEGATRON_TRAIN_EXIT_STATUS_FILE`` can be written at the end: a file name in a writable
     directory. Otherwise the launcher would learn nothing of how the run ended."""
     path = os.environ.get("MEGATRON_TRAIN_EXIT_STATUS_FILE")
-    if not path:
-        return
+    if path and (problem := _exit_status_problem(path)):
+        raise problem
+
+
+def _exit_status_problem(path: str) -> ConfigError | None:
+    if Path(path).is_dir():
+        return ConfigError(
+            "MEGATRON_TRAIN_EXIT_STATUS_FILE",
+            f"{path!r} is a directory, which the exit code cannot be written over, so the launcher "
+            "would not learn how the run ended",
+            "point it at a file name in that folder, or unset it",
+        )
     folder = Path(path).parent
     if not (folder.is_dir() and os.access(folder, os.W_OK | os.X_OK)):
-        raise ConfigError(
+        return ConfigError(
             "MEGATRON_TRAIN_EXIT_STATUS_FILE",
             f"{path!r} is in {str(folder)!r}, which is not a writable directory, so the launcher would "
             "not learn how the run ended",
             "unset it (launch/slurm/pretrain.sbatch sets it in its log folder) or point it into a "
             "writable folder",
         )
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -958,8 +958,16 @@ CASES = [
         "launch-timeout-past-a-timedelta",
         "train",
         _train(),
-        "at most a year",
+        "to a year (525,600)",
         env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "1e13"},
+    ),
+    Case(
+        # torch keeps timeouts in milliseconds: this one was none, and blamed MASTER_ADDR
+        "launch-timeout-below-a-millisecond",
+        "train",
+        _train(),
+        "'1e-9' is not a number of minutes from 0.01 (0.6 s) to a year",
+        env={"MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "1e-9"},
     ),
     Case(
         "preflight-timeout-not-a-number",
@@ -974,6 +982,13 @@ CASES = [
         _train(FRESH),
         "'/nonexistent-folder', which is not a writable directory",
         env={"MEGATRON_TRAIN_EXIT_STATUS_FILE": "/nonexistent-folder/exit-status"},
+    ),
+    Case(
+        "launch-exit-status-file-is-a-directory",
+        "train",
+        _train(FRESH),
+        "'MEGATRON_TRAIN_EXIT_STATUS_FILE': '/' is a directory",
+        env={"MEGATRON_TRAIN_EXIT_STATUS_FILE": "/"},
     ),
     # wandb.init raises on rank 0 after the run directory is written; a tty would even prompt.
     Case(
