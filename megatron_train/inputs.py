@@ -33,7 +33,7 @@ from megatron_train.config import (
 )
 from megatron_train.errors import ConfigError
 from megatron_train.host_memory import physical_memory
-from megatron_train.outputs import check_output_dir, check_run_dir
+from megatron_train.outputs import check_own_dir, check_run_dir
 from megatron_train.text_encoding import tokenizer_loading
 from megatron_train.token_writer import INDEX_HEADER
 from megatron_train.tokenizer import load_tokenizer
@@ -320,9 +320,12 @@ def check_inputs(cfg: ExperimentConfig) -> int:
                 _RETOKENIZE,
             )
     check_run_dir("logging.run_dir", Path(cfg.logging.run_dir))
-    for key, folder in run_folders(cfg).items():
-        check_output_dir(key, folder)
-    check_output_dir("checkpoint.save_dir", checkpoint_dir(cfg))
-    check_output_dir("data.cache_dir", data_cache_dir(cfg))
+    folders = {
+        **run_folders(cfg),
+        "checkpoint.save_dir": checkpoint_dir(cfg),
+        "data.cache_dir": data_cache_dir(cfg),
+    }
+    for key, folder in folders.items():
+        check_own_dir(key, folder)
     data_cache.check_unchanged(data_cache_dir(cfg), keys)
     return vocab

@@ -102,7 +102,7 @@ def check_run_dir(key: str, path: Path) -> None:
     """``path`` can hold a run (:func:`check_output_dir`), and a start there replaces no file it did
     not write: each start writes ``config.yaml`` next to ``metrics.jsonl``, so a ``config.yaml``
     without one is somebody's own (often the experiment config itself, kept beside its outputs)."""
-    check_output_dir(key, path)
+    check_own_dir(key, path)
     config, metrics = Path(path) / "config.yaml", Path(path) / "metrics.jsonl"
     for written in (config, metrics):
         check_output_file(key, written)
@@ -112,6 +112,21 @@ def check_run_dir(key: str, path: Path) -> None:
             f"{config} is not a training run's resolved config, and a start would replace it",
             "set it to a new directory, or keep your own config outside the run directory",
         )
+
+
+def check_own_dir(key: str, path: Path) -> None:
+    """:func:`check_output_dir`, for a folder its writer fills with files of its own names: not the
+    filesystem's root, where a path built from an unset shell variable (``$RUN/``) leads."""
+    # realpath, not Path.resolve: a loop of links is check_output_dir's to name, not a RuntimeError.
+    resolved = os.path.realpath(path)
+    if resolved == os.path.dirname(resolved):
+        raise ConfigError(
+            key,
+            f"{str(path)!r} is the filesystem's root, where the files written would sit among the "
+            "system's (a path built from an unset shell variable leads there)",
+            "set it to a directory of its own, e.g. runs/my-run",
+        )
+    check_output_dir(key, path)
 
 
 def check_output_file(key: str, path: Path) -> None:

@@ -866,6 +866,19 @@ CASES = [
         _writes(("profile", "notes\n"), ("metrics.jsonl", "")),
     ),
     Case(
+        # "$RUN/" with RUN unset
+        "run-dir-the-filesystem-root",
+        "train",
+        _train("logging.run_dir=/"),
+        "'logging.run_dir': '/' is the filesystem's root",
+    ),
+    Case(
+        "save-dir-the-filesystem-root-through-dots",
+        "train",
+        _train("checkpoint.save_dir=/tmp/.."),
+        "'checkpoint.save_dir': '/tmp/..' is the filesystem's root",
+    ),
+    Case(
         "run-dir-with-a-tilde",
         "train",
         _train("logging.run_dir=~/runs/x"),
@@ -2009,6 +2022,12 @@ CASES = [
             "WS/corpus/spm.model",
         ),
         "--output-prefix",
+    ),
+    Case(
+        "preprocess-output-dir-the-root",
+        "preprocess",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-dir", "/", "--tokenizer", "WS/corpus/spm.model"),
+        "'--output-dir': '/' is the filesystem's root",
     ),
     Case(
         "preprocess-workers-0",

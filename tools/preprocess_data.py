@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_output_dir, dataset_files, made_dir, name_room, output_prefix
+from megatron_train.outputs import check_own_dir, dataset_files, made_dir, name_room, output_prefix
 from megatron_train.text_encoding import Encode, text_encoder
 from megatron_train.text_sources import SUFFIXES, input_files, read_texts
 from megatron_train.token_writer import TokenWriter, token_dtype
@@ -119,7 +119,7 @@ def preprocess(args: argparse.Namespace) -> None:
     check_counts(args.workers, args.batch_size)
     if args.output_dir:
         out = Path(args.output_dir)
-        check_output_dir("--output-dir", out)
+        check_own_dir("--output-dir", out)
     else:
         out = output_prefix("--output-prefix", args.output_prefix, (".bin", ".idx"))
     tokenizer = text_encoder(args.tokenizer_type, args.tokenizer, args.workers, key="--tokenizer")
