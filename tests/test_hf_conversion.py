@@ -188,6 +188,10 @@ def test_export_shards_large_models_and_transformers_loads_them(tmp_path, hf_mod
     original = transformers.AutoModelForCausalLM.from_pretrained(hf_models["llama"], dtype=torch.float32)
     for (key, a), b in zip(original.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), key
+    # A shard size past every float is one file.
+    whole = tmp_path / "whole"
+    convert("export-hf", "--ckpt", str(imported["llama"]), "--out", str(whole), "--max-shard-gib", "1e300")
+    assert sorted(p.name for p in whole.glob("*.safetensors")) == ["model.safetensors"]
 
 
 @pytest.mark.parametrize(("temperature", "drawn"), [(1e-320, {1}), (1e308, {0, 1, 2, 3})])

@@ -13,6 +13,7 @@ Exit codes: 0 done, 2 bad input (the message names it and the fix).
 from __future__ import annotations
 
 import argparse
+import sys
 
 # Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line,
 # and a Python without the project's environment one line too (use_checkout.py).
@@ -66,7 +67,9 @@ def convert(args: argparse.Namespace) -> None:
         import_hf(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple)
     else:
         dtype = getattr(torch, args.dtype) if args.dtype else None
-        export_hf(args.ckpt, args.out, dtype, int(args.max_shard_gib * 2**30), args.tokenizer)
+        # A size past any model's (1e300 GiB is past every float) is one file, as asked.
+        max_shard_bytes = int(min(args.max_shard_gib * 2**30, sys.maxsize))
+        export_hf(args.ckpt, args.out, dtype, max_shard_bytes, args.tokenizer)
 
 
 if __name__ == "__main__":
