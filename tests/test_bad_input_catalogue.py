@@ -1339,6 +1339,13 @@ CASES = [
         "submit-nodes-0", "submit", _args("--config", "WS/cfg.yaml", "--nodes", "0", "--dry-run"), "--nodes"
     ),
     Case(
+        # the job script's [[ count -lt 2**64 ]] read 2**64 as 0, and never requeued
+        "submit-max-requeues-past-bash",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--max-requeues", str(2**64), "--dry-run"),
+        "--max-requeues: '18446744073709551616' is not an integer from 0 to 2**63 - 1",
+    ),
+    Case(
         "submit-empty-partition",
         "submit",
         _args("--config", "WS/cfg.yaml", "--partition", "", "--dry-run"),
