@@ -97,6 +97,13 @@ def tokenizer_loading(kind: str, path: str, key: str, type_key: str) -> Iterator
             f"{path!r} does not exist",
             "train one with tools/train_tokenizer.py or point to an existing tokenizer",
         )
+    if not (Path(path).is_file() or Path(path).is_dir()):
+        # SentencePiece reads it whole: /dev/zero took 16 GB and two minutes to fail.
+        raise ConfigError(
+            key,
+            f"{path} is neither a file nor a folder (a device, pipe or socket)",
+            "point it at the tokenizer's model file or folder",
+        )
     try:
         yield
     except Exception as err:  # sentencepiece, transformers and megatron raise many kinds

@@ -790,6 +790,13 @@ CASES = [
         "'data.tokenizer.path'",
         _write("spm.model", b"this is not a sentencepiece model"),
     ),
+    Case(
+        # SentencePiece read it whole: 16 GB and two minutes before it failed
+        "tokenizer-a-device",
+        "train",
+        _train("data.tokenizer.path=/dev/zero"),
+        "'data.tokenizer.path': /dev/zero is neither a file nor a folder",
+    ),
     Case("tokenizer-wrong-type", "train", _train("data.tokenizer.type=huggingface"), "'data.tokenizer.path'"),
     Case(
         "tokenizer-empty-dir",
@@ -1680,6 +1687,12 @@ CASES = [
             "export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--tokenizer", "WS/corpus/stdlib.idx"
         ),
         "does not load as the run's sentencepiece tokenizer",
+    ),
+    Case(
+        "export-hf-tokenizer-a-device",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", "WS/cases/o", "--tokenizer", "/dev/zero"),
+        "the tokenizer '/dev/zero' is neither a file nor a folder",
     ),
     Case(
         "export-hf-tokenizer-too-big",

@@ -267,6 +267,12 @@ def _export_tokenizer(tokenizer: dict, path: Path | None, out: Path):
             f"the run's tokenizer {str(path)!r} (data.tokenizer.path in its config) does not exist; "
             "pass --tokenizer with where it is now"
         )
+    if not (path.is_file() or path.is_dir()):
+        # SentencePiece reads it whole: /dev/zero took 16 GB and two minutes to fail.
+        raise ConversionError(
+            f"the tokenizer {str(path)!r} is neither a file nor a folder (a device, pipe or socket); "
+            "pass --tokenizer with the one the run trained with"
+        )
     try:
         if tokenizer["type"] == "huggingface":
             hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
