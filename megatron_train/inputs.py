@@ -72,7 +72,10 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
         raise ConfigError(key, f"{prefix} is a folder, not a dataset prefix", fix)
     for path in (bin_, idx):
         if not path.is_file():
-            raise ConfigError(key, f"{path} does not exist", _REPREPROCESS)
+            problem = (
+                "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
+            )
+            raise ConfigError(key, f"{path} {problem}", _REPREPROCESS)
     with open(idx, "rb") as f:
         head = f.read(_HEADER.size)
     if len(head) < _HEADER.size or not head.startswith(INDEX_HEADER):
@@ -285,7 +288,9 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     if c.init_from and not Path(c.init_from).is_dir():
         raise ConfigError(
             "checkpoint.init_from",
-            f"{c.init_from!r} is a file",
+            f"{c.init_from!r} is a file"
+            if Path(c.init_from).is_file()
+            else f"{c.init_from!r} is not a directory",
             "point it at a checkpoint directory or a Hugging Face model directory",
         )
     if not cfg.data.blend:

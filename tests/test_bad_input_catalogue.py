@@ -671,6 +671,18 @@ CASES = [
         "prefix",
     ),
     Case(
+        "bin-a-device",
+        "train",
+        _train("data.blend=[WS/cases/bin-a-device/data]"),
+        "data.bin is not a regular file (a device, pipe or socket)",
+        _copy_data(
+            lambda prefix: (
+                prefix.with_suffix(".bin").unlink(),
+                prefix.with_suffix(".bin").symlink_to("/dev/zero"),
+            )
+        ),
+    ),
+    Case(
         "bin-truncated",
         "train",
         _train("data.blend=[WS/cases/bin-truncated/data]"),
