@@ -346,6 +346,11 @@ def _preflight(*overrides: str) -> Callable[[Path], list[str]]:
     return _args("--config", "WS/cfg.yaml", "--gpus-per-node", "1", *overrides)
 
 
+def _preprocess(*args: str) -> Callable[[Path], list[str]]:
+    """Preprocessing the workspace's corpus with its tokenizer."""
+    return _args("--input", "WS/corpus/stdlib.jsonl", "--tokenizer", "WS/corpus/spm.model", *args)
+
+
 FRESH = "logging.run_dir=WS/cases/fresh_run"  # a run that must not be created by a failed start
 # A well-formed key, so that the start gets as far as wandb.init, and the discard port.
 WANDB_UNREACHABLE = {
@@ -2003,16 +2008,7 @@ CASES = [
     Case(
         "preprocess-no-text-key",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/cases/p/out",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-            "--text-key",
-            "body",
-        ),
+        _preprocess("--output-prefix", "WS/cases/p/out", "--text-key", "body"),
         "'body'",
     ),
     Case(
@@ -2032,78 +2028,37 @@ CASES = [
     Case(
         "preprocess-output-in-proc",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "/proc/megatron-train/out",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-        ),
+        _preprocess("--output-prefix", "/proc/megatron-train/out"),
         "--output-prefix",
     ),
     Case(
         "preprocess-output-under-file",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/corpus/spm.model/out",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-        ),
+        _preprocess("--output-prefix", "WS/corpus/spm.model/out"),
         "--output-prefix",
     ),
     Case(
         "preprocess-output-dir-the-root",
         "preprocess",
-        _args("--input", "WS/corpus/stdlib.jsonl", "--output-dir", "/", "--tokenizer", "WS/corpus/spm.model"),
+        _preprocess("--output-dir", "/"),
         "'--output-dir': '/' is the filesystem's root",
     ),
     Case(
         "preprocess-workers-0",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/cases/p/out",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-            "--workers",
-            "0",
-        ),
+        _preprocess("--output-prefix", "WS/cases/p/out", "--workers", "0"),
         "--workers",
     ),
     Case(
         "preprocess-workers-past-the-cores",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/cases/p/out",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-            "--workers",
-            "10000",
-        ),
+        _preprocess("--output-prefix", "WS/cases/p/out", "--workers", "10000"),
         "--workers",
     ),
     Case(
         "preprocess-batch-size-past-64-bits",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-dir",
-            "WS/cases/p/shards",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-            "--batch-size",
-            "99999999999999999999",
-        ),
+        _preprocess("--output-dir", "WS/cases/p/shards", "--batch-size", "99999999999999999999"),
         "--batch-size",
     ),
     Case(
@@ -2224,14 +2179,7 @@ CASES = [
     Case(
         "preprocess-output-exists",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/corpus/stdlib",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-        ),
+        _preprocess("--output-prefix", "WS/corpus/stdlib"),
         "stdlib.bin already exists",
     ),
     Case(
@@ -2275,14 +2223,7 @@ CASES = [
     Case(
         "preprocess-prefix-ends-in-idx",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/cases/p/corpus.idx",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-        ),
+        _preprocess("--output-prefix", "WS/cases/p/corpus.idx"),
         "it would write",
     ),  # fmt: skip
     Case(
@@ -2294,14 +2235,7 @@ CASES = [
     Case(
         "preprocess-prefix-is-a-folder",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/corpus/",
-            "--tokenizer",
-            "WS/corpus/spm.model",
-        ),
+        _preprocess("--output-prefix", "WS/corpus/"),
         "names a folder",
     ),  # fmt: skip
     Case(
