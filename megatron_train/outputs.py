@@ -99,7 +99,7 @@ def check_new_files(key: str, prefix: Path, suffixes: tuple[str, ...]) -> None:
 
 
 def check_run_dir(key: str, path: Path) -> None:
-    """``path`` can hold a run (:func:`check_output_dir`), and a start there replaces no file it did
+    """``path`` can hold a run (:func:`check_own_dir`), and a start there replaces no file it did
     not write: each start writes ``config.yaml`` next to ``metrics.jsonl``, so a ``config.yaml``
     without one is somebody's own (often the experiment config itself, kept beside its outputs)."""
     check_own_dir(key, path)

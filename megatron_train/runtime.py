@@ -156,8 +156,8 @@ def collective_timeout() -> datetime.timedelta:
     if not (math.isfinite(minutes) and MINUTES_SHORTEST <= minutes <= MINUTES_A_YEAR):
         raise ConfigError(
             "MEGATRON_TRAIN_DIST_TIMEOUT_MIN",
-            f"{text!r} is not a number of minutes from {MINUTES_SHORTEST} (0.6 s) to a year "
-            f"({MINUTES_A_YEAR:,})",
+            f"{text!r} is not a number of minutes from {MINUTES_SHORTEST} ({MINUTES_SHORTEST * 60:g} s) "
+            f"to a year ({MINUTES_A_YEAR:,})",
             "set it to how long a collective may wait, e.g. 10",
         )
     return datetime.timedelta(minutes=minutes)
