@@ -96,7 +96,7 @@ class Job:
 def check_counts(workers: int, batch_size: int) -> None:
     """Refuse more threads than the CPU cores this process may run on (its affinity, which Slurm's
     --cpus-per-task narrows; two pass on one core, as the demo's do): the tokenizers start them all
-    at once, so 10,000 took a minute to tokenize 20 documents and 2**31 never finished. And a
+    at once (HF: 10,000 took a minute to tokenize 20 documents, 2**31 had not ended after one). And a
     batch past what Python can slice."""
     cores = len(os.sched_getaffinity(0))
     most = max(cores, 2)
