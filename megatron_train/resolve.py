@@ -147,7 +147,14 @@ def _apply_preset(raw: dict) -> None:
     if not isinstance(name, str):
         raise ConfigError("model.preset", f"expected a preset name, got {shown(name)}", "write a preset name")
     family, values = registry.preset(name)
-    if model.get("family", family.name) != family.name:
+    chosen = model.get("family", family.name)
+    if not isinstance(chosen, str) or chosen not in registry.FAMILIES:
+        raise ConfigError(
+            "model.family",
+            f"unknown family {shown(model['family'])}",
+            f"use preset {name!r}'s family {family.name!r}, or remove model.family",
+        )
+    if chosen != family.name:
         raise ConfigError(
             "model.family",
             f"is {shown(model['family'])} but preset {name!r} belongs to {family.name!r}",

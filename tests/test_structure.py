@@ -138,14 +138,16 @@ def test_registry_maps_presets_and_hf_architectures_to_their_family():
             assert registry.for_hf({"architectures": [arch]}) is family
     with pytest.raises(ConversionError, match="unsupported architecture"):
         registry.for_hf({"architectures": ["GPT2LMHeadModel"]})
-    for raw, key in [
-        ({"model": {"preset": "llama5"}}, "model.preset"),
-        ({"model": {"family": "gpt2"}}, "model.family"),
-        ({"model": {"family": "gpt2", "preset": "tiny"}}, "model.family"),
+    for raw, key, problem in [
+        ({"model": {"preset": "llama5"}}, "model.preset", "unknown preset 'llama5'"),
+        ({"model": {"family": "gpt2"}}, "model.family", "unknown family 'gpt2'"),
+        ({"model": {"family": "gpt2", "preset": "tiny"}}, "model.family", "unknown family 'gpt2'"),
+        ({"model": {"family": ["llama"], "preset": "tiny"}}, "model.family", "unknown family ['llama']"),
+        ({"model": {"family": "qwen3", "preset": "tiny"}}, "model.family", "tiny' belongs to 'llama'"),
     ]:
         with pytest.raises(ConfigError) as info:
             build_config(raw)
-        assert info.value.key == key
+        assert info.value.key == key and problem in info.value.problem
 
 
 @pytest.mark.parametrize(
