@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--partition", type=cli.non_empty)
     parser.add_argument("--account", type=cli.non_empty)
     parser.add_argument("--job-name", type=job_name, default="megatron-train")
-    parser.add_argument("--signal-seconds", type=cli.positive_int, default=300,
+    parser.add_argument("--signal-seconds", type=cli.signal_seconds, default=300,
                         help="send SIGUSR1 this long before the time limit (save, then requeue)")  # fmt: skip
     parser.add_argument("--max-requeues", type=cli.shell_count, default=20)
     parser.add_argument(

@@ -132,6 +132,10 @@ positive_float = _number(float, lambda v: v > 0, "a number > 0")
 probability = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 # A count a shell script compares: bash's arithmetic is signed 64-bit, and wraps past it (2**64 is 0).
 shell_count = _number(int, lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1, as bash compares")
+# sbatch --signal's sig_time is 16 bits; above 65535 it refuses the whole submission.
+signal_seconds = _number(
+    int, lambda v: 1 <= v <= 65535, "a whole number of seconds from 1 to 65535 (sbatch --signal's range)"
+)
 # torch's generators take a 64-bit unsigned seed.
 seed = _number(int, lambda v: 0 <= v < 2**64, "an integer from 0 to 2**64 - 1")
 

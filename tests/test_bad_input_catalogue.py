@@ -1348,6 +1348,12 @@ CASES = [
         "--signal-seconds",
     ),
     Case(
+        "submit-signal-past-sbatch-range",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--time", "2-00:00:00", "--signal-seconds", "65536", "--dry-run"),
+        "from 1 to 65535",
+    ),
+    Case(
         "submit-signal-after-the-limit",
         "submit",
         _args("--config", "WS/cfg.yaml", "--time", "00:04:00", "--signal-seconds", "300", "--dry-run"),
