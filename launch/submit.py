@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_train import cli  # noqa: E402
-from megatron_train.errors import ConfigError  # noqa: E402
+from megatron_train.errors import NAME_MAX, ConfigError  # noqa: E402
 from megatron_train.outputs import check_output_dir  # noqa: E402
 
 SBATCH_SCRIPT = ROOT / "launch" / "slurm" / "pretrain.sbatch"
@@ -40,6 +40,10 @@ def slurm_time(text: str) -> str:
     return text
 
 
+# The job's log file is NAME-JOBID.out, a name of at most 255 bytes; a job ID has up to 10 digits.
+JOB_NAME_MAX = NAME_MAX - len("-4294967295.out")
+
+
 def job_name(text: str) -> str:
     """A job name: it names the job's log file and folder, so it holds no ``/`` (Slurm does not
     make the folder that would ask for, and a job whose output file cannot open fails with no log:
@@ -47,6 +51,13 @@ def job_name(text: str) -> str:
     text = cli.non_empty(text)
     if "/" in text:
         raise argparse.ArgumentTypeError(f"{text!r} holds a '/', but it names the job's log file")
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r} holds a control character (a newline or tab)")
+    if len(text.encode()) > JOB_NAME_MAX:
+        raise argparse.ArgumentTypeError(
+            f"a name of {len(text.encode())} bytes, but it names the job's log file NAME-JOBID.out, "
+            f"so it may have at most {JOB_NAME_MAX} bytes"
+        )
     return text
 
 

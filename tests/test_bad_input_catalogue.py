@@ -1389,6 +1389,18 @@ CASES = [
         "--job-name: 'exp/1' holds a '/'",
     ),
     Case(
+        "submit-job-name-past-a-file-name",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--job-name", "x" * 241, "--dry-run"),
+        "--job-name: a name of 241 bytes",
+    ),
+    Case(
+        "submit-job-name-with-a-newline",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--job-name", "exp\n1", "--dry-run"),
+        "holds a control character",
+    ),
+    Case(
         "submit-preflight-fails",
         "submit",
         _preflight("--dry-run", "parallel.tensor=3"),
