@@ -1042,6 +1042,12 @@ CASES = [
         "is online but WANDB_API_KEY invalid",
         env={"WANDB_API_KEY": "abc"},
     ),
+    Case(
+        "wandb-project-with-a-slash",
+        "train",
+        _train(FRESH, "logging.wandb=true", "logging.wandb_project=team/exp"),
+        "'logging.wandb_project': 'team/exp' is not valid",
+    ),
     # A server out of reach fails wandb.init after its timeout, once the run's folders are made.
     Case(
         "wandb-server-out-of-reach-fresh-run",
