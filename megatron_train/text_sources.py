@@ -157,6 +157,13 @@ def _json_lines(path: Path, key: str) -> Iterator[str]:
                 raise ConfigError(
                     "--input", f"{where} is not JSON ({err})", "fix or remove that line"
                 ) from err
+            except RecursionError:
+                raise ConfigError(
+                    "--input",
+                    f"{where} nests arrays or objects deeper than Python's JSON reader goes "
+                    f"(about {sys.getrecursionlimit()} levels)",
+                    "fix or remove that line",
+                ) from None
             text = _text(_field(record, key, where), key, where)
             if "\\u" in line and not _encodable(text):
                 raise ConfigError(
