@@ -56,7 +56,7 @@ def identity(prefix: str) -> dict:
 def _recorded(cache_dir: Path) -> dict:
     try:
         found = json.loads((cache_dir / RECORD).read_text())
-    except (OSError, ValueError):  # no record yet (or one a crash mangled): nothing to compare
+    except (OSError, ValueError, RecursionError):  # no record yet (or one mangled): nothing to compare
         return {}
     return found if isinstance(found, dict) else {}
 

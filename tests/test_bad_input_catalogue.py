@@ -1197,6 +1197,13 @@ CASES = [
         _copy_ckpt(lambda c: (c / "complete.json").write_text("{not json")),
     ),
     Case(
+        "record-nested-too-deep",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/record-nested-too-deep/ckpt/iter_0000004"),
+        "complete.json is unreadable (maximum recursion depth exceeded",
+        _copy_ckpt(lambda c: (c / "complete.json").write_text("[" * 100_000 + "]" * 100_000)),
+    ),
+    Case(
         "record-wrong-shape",
         "train",
         _train(FRESH, "checkpoint.load=WS/cases/record-wrong-shape/ckpt/iter_0000004"),
@@ -1599,6 +1606,15 @@ CASES = [
         _args("import-hf", "--hf", "WS/cases/import-hf-config-integer-too-long/hf", "--out", "WS/cases/o"),
         "holds an integer too long to read (over 4300 digits)",
         _hf_copy(_edit_hf_text('"hidden_size": ', '"hidden_size": 1' + "0" * 5000 + ', "was_hidden_size": ')),
+    ),
+    Case(
+        "import-hf-config-nested-too-deep",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-config-nested-too-deep/hf", "--out", "WS/cases/o"),
+        "config.json nests arrays or objects deeper than Python's JSON reader goes",
+        _hf_copy(
+            _edit_hf_text('"hidden_size": ', '"deep": ' + "[" * 100_000 + "]" * 100_000 + ', "hidden_size": ')
+        ),
     ),
     Case(
         "import-hf-config-not-utf8",

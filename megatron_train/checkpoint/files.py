@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError, ConfigError
+from megatron_train.errors import CheckpointError, ConfigError, reason
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
@@ -106,8 +106,10 @@ def read_record(ckpt_dir: Path) -> dict:
         raise CheckpointError(f"{ckpt_dir} has no {RECORD}: the save did not finish (torn checkpoint)")
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is unreadable ({err}): the checkpoint is torn or corrupt") from err
+    except (OSError, ValueError, RecursionError) as err:
+        raise CheckpointError(
+            f"{path} is unreadable ({reason(err)}): the checkpoint is torn or corrupt"
+        ) from err
     entries = record.get("files") if isinstance(record, dict) else None
     if not isinstance(entries, dict) or not all(
         isinstance(e, dict) and isinstance(e.get("size"), int) for e in entries.values()

@@ -42,6 +42,10 @@ def read_hf_config(hf_dir: Path) -> dict:
         raise ConversionError(f"{path} is not valid JSON ({err}); download the model again") from err
     except UnicodeDecodeError as err:
         raise ConversionError(f"{path} is not UTF-8 text ({err}); download the model again") from err
+    except RecursionError:
+        raise ConversionError(
+            f"{path} nests arrays or objects deeper than Python's JSON reader goes; download the model again"
+        ) from None
     except ValueError:
         raise ConversionError(
             f"{path} holds an integer too long to read (over {sys.get_int_max_str_digits()} digits); "

@@ -36,9 +36,9 @@ def _open_shard(path: Path):
 def _read_index(path: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
         raise ConversionError(
-            f"{path} is not a safetensors index with a weight_map ({err}); download the model again"
+            f"{path} is not a safetensors index with a weight_map ({reason(err)}); download the model again"
         ) from err
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConversionError(
