@@ -139,6 +139,18 @@ def _restore(folder: Path, before: dict[str, str | None] | None) -> None:
             entry.symlink_to(before[name])
 
 
+def _record(line: str) -> dict | None:
+    """A metrics.jsonl line's record; None for a line that holds none of ours (torn by a kill, or
+    edited by hand), which a restart drops."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+        return None
+    return record
+
+
 class MetricsLogger:
     """Writes metrics on the main rank; other ranks hold a no-op instance."""
 
@@ -182,11 +194,8 @@ class MetricsLogger:
         if path.exists():
             kept = []
             for line in path.read_text().splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by a kill
-                if record.get("step", 0) <= step:
+                record = _record(line)
+                if record is not None and record.get("step", 0) <= step:
                     kept.append(line + "\n")
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept))

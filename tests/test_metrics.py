@@ -48,6 +48,17 @@ def test_a_start_drops_the_records_of_the_steps_it_redoes(tmp_path, start, kept)
     ] == kept
 
 
+def test_a_start_drops_the_lines_that_hold_no_record_of_ours(tmp_path):
+    """A line torn by a kill, or edited by hand into other JSON, is dropped, not a traceback."""
+    cfg = build_config({"train": {"steps": 4}, "model": {"vocab_size": 256}})
+    lines = ['{"step": 1}', '{"step": 2, "lo', "[1]", "5", '{"step": "x"}', "[" * 100_000, '{"step": 2}']
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
+    log.open(2)
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
 def test_time_left_out_of_an_interval_does_not_shrink_its_step_time(monkeypatch):
     """Validation after step 2 of a 4-step log interval (train.eval_interval not a multiple of
     logging.log_interval): the steps' own 1 s each is reported, where restarting the interval's
