@@ -193,7 +193,8 @@ class MetricsLogger:
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
             kept = []
-            for line in path.read_text().splitlines():
+            # Ours are ASCII: bytes that are not UTF-8 come from a damaged or hand-edited line.
+            for line in path.read_bytes().decode(errors="replace").splitlines():
                 record = _record(line)
                 if record is not None and record.get("step", 0) <= step:
                     kept.append(line + "\n")

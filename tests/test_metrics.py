@@ -49,10 +49,11 @@ def test_a_start_drops_the_records_of_the_steps_it_redoes(tmp_path, start, kept)
 
 
 def test_a_start_drops_the_lines_that_hold_no_record_of_ours(tmp_path):
-    """A line torn by a kill, or edited by hand into other JSON, is dropped, not a traceback."""
+    """A line torn by a kill, or edited by hand into other JSON or bytes that are not UTF-8, is
+    dropped, not a traceback."""
     cfg = build_config({"train": {"steps": 4}, "model": {"vocab_size": 256}})
     lines = ['{"step": 1}', '{"step": 2, "lo', "[1]", "5", '{"step": "x"}', "[" * 100_000, '{"step": 2}']
-    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    (tmp_path / "metrics.jsonl").write_bytes("".join(line + "\n" for line in lines).encode() + b"\xff\xfe\n")
     log = MetricsLogger(cfg, tmp_path, enabled=True, world_size=1)
     log.open(2)
     log.close()
