@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from megatron_train.config import RUN_FOLDERS, ConfigError, ExperimentConfig, to_dict
+from megatron_train.errors import reason, shown
 from megatron_train.models.registry import family_of
 
 DATA_WAIT_SHOWN = 0.05
@@ -56,13 +57,26 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def check_wandb_login(cfg: ExperimentConfig) -> None:
-    """An online wandb run has credentials to start with: without them ``wandb.init`` raises on
-    rank 0 once the run directory has been written. Read as ``wandb login`` would (the
-    environment, wandb's settings, ~/.netrc), without asking or contacting the server."""
-    if not (cfg.logging.wandb and cfg.logging.wandb_mode == "online"):
+def check_wandb(cfg: ExperimentConfig) -> None:
+    """A wandb run can start: wandb takes its project name, and an online run has credentials.
+    Otherwise ``wandb.init`` raises on rank 0 once the model is built and the run directory
+    written. The name is judged by wandb's own settings; the credentials are read as ``wandb
+    login`` would (the environment, wandb's settings, ~/.netrc), without asking or contacting
+    the server."""
+    if not cfg.logging.wandb:
         return
     import wandb
+
+    try:
+        wandb.Settings(project=cfg.logging.wandb_project)
+    except (wandb.errors.UsageError, ValueError) as err:
+        raise ConfigError(
+            "logging.wandb_project",
+            f"wandb refuses {shown(cfg.logging.wandb_project)}: {reason(err)}",
+            "choose a name wandb takes",
+        ) from None
+    if cfg.logging.wandb_mode != "online":
+        return
 
     fix = (
         "run `wandb login` (or export WANDB_API_KEY) where the job runs, or set "

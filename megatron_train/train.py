@@ -318,9 +318,9 @@ def _main(argv: list[str] | None) -> int:
         check_exit_status_file()
         cfg = resolve(args.config, args.overrides, env.world_size)
         check_fits_this_node(cfg, env.world_size, env.local_rank, env.local_world_size)
-        from megatron_train.metrics import check_wandb_login
+        from megatron_train.metrics import check_wandb
 
-        check_wandb_login(cfg)
+        check_wandb(cfg)
     except BAD_INPUT as err:
         cli.report_once(err)
         return EXIT_BAD_CONFIG

@@ -1046,7 +1046,7 @@ CASES = [
         "wandb-project-with-a-slash",
         "train",
         _train(FRESH, "logging.wandb=true", "logging.wandb_project=team/exp"),
-        "'logging.wandb_project': 'team/exp' is not valid",
+        "'logging.wandb_project': wandb refuses 'team/exp': Invalid project name",
     ),
     # A server out of reach fails wandb.init after its timeout, once the run's folders are made.
     Case(
