@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy
 
+from megatron_train import json_text
 from megatron_train.checkpoint.files import write_atomic
 from megatron_train.errors import ConfigError
 
@@ -55,8 +56,8 @@ def identity(prefix: str) -> dict:
 
 def _recorded(cache_dir: Path) -> dict:
     try:
-        found = json.loads((cache_dir / RECORD).read_text())
-    except (OSError, ValueError, RecursionError):  # no record yet (or one mangled): nothing to compare
+        found = json_text.loads((cache_dir / RECORD).read_text())
+    except (OSError, ValueError):  # no record yet (or one a crash mangled): nothing to compare
         return {}
     return found if isinstance(found, dict) else {}
 

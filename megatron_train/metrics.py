@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from megatron_train import json_text
 from megatron_train.config import RUN_FOLDERS, ConfigError, ExperimentConfig, to_dict
 from megatron_train.errors import reason, shown
 from megatron_train.models.registry import family_of
@@ -157,8 +158,8 @@ def _record(line: str) -> dict | None:
     """A metrics.jsonl line's record; None for a line that holds none of ours (torn by a kill, or
     edited by hand), which a restart drops."""
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
+        record = json_text.loads(line)
+    except ValueError:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
         return None

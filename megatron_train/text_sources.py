@@ -20,6 +20,7 @@ import pyarrow
 import pyarrow.parquet as pq
 import zstandard
 
+from megatron_train import json_text
 from megatron_train.errors import ConfigError, reason
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet", ".txt")
@@ -152,18 +153,11 @@ def _json_lines(path: Path, key: str) -> Iterator[str]:
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line, parse_int=_json_integer)
+                record = json_text.loads(line, parse_int=_json_integer)
             except json.JSONDecodeError as err:
                 raise ConfigError(
                     "--input", f"{where} is not JSON ({err})", "fix or remove that line"
                 ) from err
-            except RecursionError:
-                raise ConfigError(
-                    "--input",
-                    f"{where} nests arrays or objects deeper than Python's JSON reader goes "
-                    f"(about {sys.getrecursionlimit()} levels)",
-                    "fix or remove that line",
-                ) from None
             text = _text(_field(record, key, where), key, where)
             if "\\u" in line and not _encodable(text):
                 raise ConfigError(

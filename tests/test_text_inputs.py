@@ -90,7 +90,11 @@ def test_a_byte_order_mark_is_no_part_of_the_first_document(tmp_path):
             "bad.jsonl:2 is a JSON array, not an object with a 'text' field",
         ),
         (b'"just text"\n', "body", "bad.jsonl:1 is a JSON string, not an object with a 'body' field"),
-        (b'{"text": "ok", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "text", "bad.jsonl:1 nests"),
+        (
+            b'{"text": "ok", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+            "text",
+            r"bad.jsonl:1 is not JSON \(it nests",
+        ),
     ],
 )
 def test_a_bad_line_is_named_with_its_file_and_line(tmp_path, content, key, problem):

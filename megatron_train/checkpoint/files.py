@@ -19,8 +19,9 @@ from pathlib import Path
 
 import yaml
 
+from megatron_train import json_text
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError, ConfigError, reason
+from megatron_train.errors import CheckpointError, ConfigError
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
@@ -105,11 +106,9 @@ def read_record(ckpt_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{ckpt_dir} has no {RECORD}: the save did not finish (torn checkpoint)")
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as err:
-        raise CheckpointError(
-            f"{path} is unreadable ({reason(err)}): the checkpoint is torn or corrupt"
-        ) from err
+        record = json_text.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err}): the checkpoint is torn or corrupt") from err
     entries = record.get("files") if isinstance(record, dict) else None
     if not isinstance(entries, dict) or not all(
         isinstance(e, dict) and isinstance(e.get("size"), int) for e in entries.values()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatron_train import json_text
 from megatron_train.errors import ConversionError
 
 if TYPE_CHECKING:
@@ -37,15 +38,11 @@ def read_hf_config(hf_dir: Path) -> dict:
     if not path.is_file():
         raise ConversionError(f"{path} does not exist: --hf must be a Hugging Face model directory")
     try:
-        hf = json.loads(path.read_text())
+        hf = json_text.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConversionError(f"{path} is not valid JSON ({err}); download the model again") from err
     except UnicodeDecodeError as err:
         raise ConversionError(f"{path} is not UTF-8 text ({err}); download the model again") from err
-    except RecursionError:
-        raise ConversionError(
-            f"{path} nests arrays or objects deeper than Python's JSON reader goes; download the model again"
-        ) from None
     except ValueError:
         raise ConversionError(
             f"{path} holds an integer too long to read (over {sys.get_int_max_str_digits()} digits); "

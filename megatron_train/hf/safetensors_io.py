@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from megatron_train import json_text
 from megatron_train.errors import ConversionError, reason
 from megatron_train.hf.model_dir import missing_weights
 
@@ -35,10 +36,10 @@ def _open_shard(path: Path):
 
 def _read_index(path: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as err:
+        weight_map = json_text.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConversionError(
-            f"{path} is not a safetensors index with a weight_map ({reason(err)}); download the model again"
+            f"{path} is not a safetensors index with a weight_map ({err}); download the model again"
         ) from err
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ConversionError(
