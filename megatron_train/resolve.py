@@ -160,6 +160,17 @@ def _apply_preset(raw: dict) -> None:
             f"is {shown(model['family'])} but preset {name!r} belongs to {family.name!r}",
             "remove model.family or choose a preset of that family",
         )
+    if values.get("num_experts") is not None and "num_experts" in model and model["num_experts"] is None:
+        # Otherwise the preset's moe_* values would be blamed, though the user never wrote them.
+        dense = sorted(p for p, v in family.presets.items() if v.get("num_experts") is None)
+        fix = "set num_experts to 2 or more" + (
+            f", or choose a dense preset ({', '.join(dense)})" if dense else ""
+        )
+        raise ConfigError(
+            "model.num_experts",
+            f"is null, but preset {name!r} is a mixture of experts and sets its moe_* options",
+            fix,
+        )
     raw["model"] = {"family": family.name, **values, **model}
 
 

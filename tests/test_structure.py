@@ -144,6 +144,11 @@ def test_registry_maps_presets_and_hf_architectures_to_their_family():
         ({"model": {"family": "gpt2", "preset": "tiny"}}, "model.family", "unknown family 'gpt2'"),
         ({"model": {"family": ["llama"], "preset": "tiny"}}, "model.family", "unknown family ['llama']"),
         ({"model": {"family": "qwen3", "preset": "tiny"}}, "model.family", "tiny' belongs to 'llama'"),
+        (
+            {"model": {"preset": "qwen3-moe-tiny", "num_experts": None}},
+            "model.num_experts",
+            "preset 'qwen3-moe-tiny' is a mixture of experts",
+        ),
     ]:
         with pytest.raises(ConfigError) as info:
             build_config(raw)
