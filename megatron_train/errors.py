@@ -8,6 +8,7 @@ import errno
 import math
 import os
 import reprlib
+from pathlib import Path
 
 NAME_MAX = 255
 """The longest file name, in bytes, of the file systems Linux clusters use (ext4, xfs, Lustre, NFS)."""
@@ -104,6 +105,20 @@ def unusable_path(err: BaseException) -> str | None:
         f"the path {path!r} is longer than the file system allows: {what} bytes long. "
         f"Fix: shorten it (at most {NAME_MAX} bytes a name, 4096 a path)"
     )
+
+
+def not_a_file(path: os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as a file, as the end of a sentence that starts with the path
+    ("does not exist", "is a directory", ...); None where it is a regular file. Path's tests, unlike
+    os.path's, raise for a path too long, which :func:`unusable_path` then names."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_symlink() and not path.exists():
+        return f"is a symbolic link to {os.readlink(path)!r}, which leads nowhere"
+    if path.is_dir():
+        return "is a directory"
+    return "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
 
 
 def _clipped(text: str, keep: int = 40) -> str:

@@ -31,7 +31,7 @@ from megatron_train.config import (
     run_folders,
     split_blends,
 )
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, not_a_file
 from megatron_train.host_memory import physical_memory
 from megatron_train.outputs import check_own_dir, check_run_dir
 from megatron_train.text_encoding import tokenizer_loading
@@ -71,10 +71,7 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
         )
         raise ConfigError(key, f"{prefix} is a folder, not a dataset prefix", fix)
     for path in (bin_, idx):
-        if not path.is_file():
-            problem = (
-                "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
-            )
+        if (problem := not_a_file(path)) is not None:
             raise ConfigError(key, f"{path} {problem}", _REPREPROCESS)
     with open(idx, "rb") as f:
         head = f.read(_HEADER.size)

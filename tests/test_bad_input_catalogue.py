@@ -327,6 +327,16 @@ def _edit_hf_text(old: str, new: str) -> Callable[[Path], None]:
     return edit
 
 
+def _hf_config_linked_to(target: str) -> Callable[[Path], None]:
+    """config.json replaced by a symbolic link to ``target``."""
+
+    def edit(hf: Path) -> None:
+        (hf / "config.json").unlink()
+        (hf / "config.json").symlink_to(target)
+
+    return edit
+
+
 def _copy_config(ws: Path, case_id: str) -> None:
     """The experiment's config kept in the folder it names as its run directory."""
     _case(ws, case_id).mkdir(parents=True)
@@ -1266,6 +1276,13 @@ CASES = [
         _hf_copy(_edit_hf_config(lambda c: c.pop("hidden_size"))),
     ),
     Case(
+        "init-from-hf-config-link-to-nowhere",
+        "train",
+        _train(FRESH, "checkpoint.init_from=WS/cases/init-from-hf-config-link-to-nowhere/hf"),
+        "safetensors weights, but its config.json is a symbolic link to 'gone.json', which leads nowhere",
+        _hf_copy(_hf_config_linked_to("gone.json")),
+    ),
+    Case(
         "init-from-hf-bad-safetensors",
         "train",
         _train(
@@ -1615,6 +1632,13 @@ CASES = [
         _hf_copy(
             _edit_hf_text('"hidden_size": ', '"deep": ' + "[" * 100_000 + "]" * 100_000 + ', "hidden_size": ')
         ),
+    ),
+    Case(
+        "import-hf-config-a-device",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-config-a-device/hf", "--out", "WS/cases/o"),
+        "config.json is not a regular file (a device, pipe or socket): --hf must be",
+        _hf_copy(_hf_config_linked_to("/dev/null")),
     ),
     Case(
         "import-hf-config-not-utf8",

@@ -21,7 +21,7 @@ import yaml
 
 from megatron_train import json_text
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError, ConfigError
+from megatron_train.errors import CheckpointError, ConfigError, not_a_file
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
@@ -208,6 +208,12 @@ def locate(path: Path) -> Path:
     if (path / "config.json").is_file():
         raise CheckpointError(
             f"{str(path)!r} holds a Hugging Face config.json and no checkpoint, but {missing_weights(path)}"
+        )
+    if any(path.glob("*.safetensors")):
+        config = path / "config.json"
+        raise CheckpointError(
+            f"{str(path)!r} holds safetensors weights, but its config.json {not_a_file(config)}: a "
+            "Hugging Face model directory needs its config.json; download it again"
         )
     raise CheckpointError(f"{str(path)!r} holds no checkpoint: {_WANTED}")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_train import json_text
-from megatron_train.errors import ConversionError
+from megatron_train.errors import ConversionError, not_a_file, reason
 
 if TYPE_CHECKING:
     import torch
@@ -35,10 +35,12 @@ def missing_weights(path: Path) -> str:
 def read_hf_config(hf_dir: Path) -> dict:
     """The parsed ``config.json`` of a Hugging Face model directory."""
     path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise ConversionError(f"{path} does not exist: --hf must be a Hugging Face model directory")
+    if (problem := not_a_file(path)) is not None:
+        raise ConversionError(f"{path} {problem}: --hf must be a Hugging Face model directory")
     try:
         hf = json_text.loads(path.read_text())
+    except OSError as err:
+        raise ConversionError(f"{path} cannot be read ({reason(err)}); check its permissions") from err
     except json.JSONDecodeError as err:
         raise ConversionError(f"{path} is not valid JSON ({err}); download the model again") from err
     except UnicodeDecodeError as err:
