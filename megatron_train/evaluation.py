@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
@@ -42,5 +45,19 @@ class Evaluator:
                     batch_loader(self.dataset, 0, self.cfg, num_samples=samples) for _ in range(chunks)
                 ]
             iters = [iter(loader) for loader in self._loaders]
-            loss = self.stepper.evaluate(iters, t.eval_steps)
+            loss = self.stepper.evaluate(iters, t.eval_steps, self._progress(step))
         self.log.log_validation(step, loss)
+
+    def _progress(self, step: int) -> Callable[[int], None]:
+        """A line every ``logging.log_interval`` batches of a validation, so a long one is seen to
+        move; the last batch's line is the result."""
+        began, total, every = time.perf_counter(), self.cfg.train.eval_steps, self.cfg.logging.log_interval
+
+        def after_batch(done: int) -> None:
+            if done % every == 0 and done < total:
+                elapsed = time.perf_counter() - began
+                left = elapsed / done * (total - done)
+                where = f"validation at step {step} | batch {done:,}/{total:,}"
+                self.log.info(f"{where} | {elapsed:.0f} s, about {left:.0f} s left")
+
+        return after_batch

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -154,9 +154,16 @@ class Stepper:
         )
 
     @torch.no_grad()
-    def evaluate(self, data_iterators: list[Iterator], num_batches: int) -> float:
-        """Mean token loss over ``num_batches`` global batches, without gradients."""
+    def evaluate(
+        self, data_iterators: list[Iterator], num_batches: int, after_batch: Callable[[int], None]
+    ) -> float:
+        """Mean token loss over ``num_batches`` global batches, without gradients; ``after_batch``
+        is told how many are done after each (one schedule call each, as Megatron-LM does, so a
+        long validation can report progress)."""
         for chunk in self.model:
             chunk.eval()
-        losses = self._run_schedule(data_iterators, True, self.num_microbatches * num_batches)
+        losses = []
+        for done in range(1, num_batches + 1):
+            losses += self._run_schedule(data_iterators, True, self.num_microbatches)
+            after_batch(done)
         return _global_mean_loss(losses, self.device)

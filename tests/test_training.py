@@ -42,6 +42,20 @@ def test_single_rank_run_writes_metrics_and_config(baseline):
     assert (baseline / "config.yaml").is_file()
 
 
+def test_a_long_validation_reports_its_progress_each_log_interval(tmp_path, corpus):
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run",
+        train={"steps": 1, "eval_interval": 1, "eval_steps": 5}, logging={"log_interval": 2},
+        optimizer={"warmup_steps": 0},
+        checkpoint={"save_at_end": False},
+    )  # fmt: skip
+    result = single_rank(config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("validation at step 1 |")]
+    assert [line.split(" | ")[1] for line in lines[:-1]] == ["batch 2/5", "batch 4/5"]
+    assert lines[-1].split(" | ")[1].startswith("val loss ")
+
+
 # Through sitecustomize, every process a test's Python forks appends its parent's pid to a file.
 RECORD_FORKS = """
 import os
