@@ -21,7 +21,7 @@ from tests.conftest import ROOT
 
 # Lowest first; a module may import from its own layer or a lower one, never a higher one.
 LAYERS = [
-    ["errors", "cudnn_sharing", "optional_imports", "config", "config_loading", "config_checks",
+    ["errors", "json_text", "cudnn_sharing", "optional_imports", "config", "config_loading", "config_checks",
      "megatron_compat", "cpu_compat", "tokenizer", "text_sources", "sentencepiece_cuts", "text_encoding",
      "token_writer", "checkpoint.files", "checkpoint.safe_load", "checkpoint.results_server",
      "hf.model_dir", "hf.safetensors_io", "outputs", "run_lock", "eager_fusions", "data_cache", "placement",
