@@ -12,6 +12,7 @@ from megatron_train.config import ExperimentConfig
 from megatron_train.data import batch_loader
 from megatron_train.metrics import MetricsLogger
 from megatron_train.step import Stepper
+from megatron_train.stopping import StopWatch
 
 
 def validation_due(cfg: ExperimentConfig, step: int) -> bool:
@@ -24,9 +25,14 @@ class Evaluator:
     """Runs and logs a validation pass when one is due."""
 
     def __init__(
-        self, cfg: ExperimentConfig, stepper: Stepper, dataset: GPTDataset | None, log: MetricsLogger
+        self,
+        cfg: ExperimentConfig,
+        stepper: Stepper,
+        dataset: GPTDataset | None,
+        log: MetricsLogger,
+        watch: StopWatch,
     ):
-        self.cfg, self.stepper, self.dataset, self.log = cfg, stepper, dataset, log
+        self.cfg, self.stepper, self.dataset, self.log, self.watch = cfg, stepper, dataset, log, watch
         # Made once: each validation reads the same samples, and new loaders would fork their
         # workers again every time (their start-up, and on Python < 3.11.10 a chance that a child
         # forked beside a communication thread deadlocks at birth, CPython gh-112275).
@@ -45,19 +51,29 @@ class Evaluator:
                     batch_loader(self.dataset, 0, self.cfg, num_samples=samples) for _ in range(chunks)
                 ]
             iters = [iter(loader) for loader in self._loaders]
-            loss = self.stepper.evaluate(iters, t.eval_steps, self._progress(step))
-        self.log.log_validation(step, loss)
+            loss = self.stepper.evaluate(iters, t.eval_steps, self._go_on(step))
+        if loss is not None:
+            self.log.log_validation(step, loss)
 
-    def _progress(self, step: int) -> Callable[[int], None]:
-        """A line every ``logging.log_interval`` batches of a validation, so a long one is seen to
-        move; the last batch's line is the result."""
+    def _go_on(self, step: int) -> Callable[[int], bool]:
+        """After each batch of a validation: a line every ``logging.log_interval`` batches, so a
+        long one is seen to move (the last batch's line is the result), and whether to go on.
+        A stop signal or train.exit_after_minutes ends it early, as Megatron-LM's time limit
+        does, so that the save it asks for comes before the scheduler's kill."""
         began, total, every = time.perf_counter(), self.cfg.train.eval_steps, self.cfg.logging.log_interval
 
-        def after_batch(done: int) -> None:
-            if done % every == 0 and done < total:
-                elapsed = time.perf_counter() - began
+        def go_on(done: int) -> bool:
+            if done == total:
+                return True
+            elapsed = time.perf_counter() - began
+            where = f"validation at step {step} | batch {done:,}/{total:,}"
+            if done % every == 0:
                 left = elapsed / done * (total - done)
-                where = f"validation at step {step} | batch {done:,}/{total:,}"
                 self.log.info(f"{where} | {elapsed:.0f} s, about {left:.0f} s left")
+            decision = self.watch.decide()
+            if decision.stop:
+                why = self.watch.why(decision)
+                self.log.info(f"{where} | cut short on {why}: no val loss at this step")
+            return not decision.stop
 
-        return after_batch
+        return go_on

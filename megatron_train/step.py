@@ -155,15 +155,17 @@ class Stepper:
 
     @torch.no_grad()
     def evaluate(
-        self, data_iterators: list[Iterator], num_batches: int, after_batch: Callable[[int], None]
-    ) -> float:
-        """Mean token loss over ``num_batches`` global batches, without gradients; ``after_batch``
-        is told how many are done after each (one schedule call each, as Megatron-LM does, so a
-        long validation can report progress)."""
+        self, data_iterators: list[Iterator], num_batches: int, go_on: Callable[[int], bool]
+    ) -> float | None:
+        """Mean token loss over ``num_batches`` global batches, without gradients, or None when
+        ``go_on`` (told how many are done after each, and agreed by every rank) says to stop
+        early. One schedule call a batch, as Megatron-LM does, so that a long validation can
+        report progress and give way to a stop signal."""
         for chunk in self.model:
             chunk.eval()
         losses = []
         for done in range(1, num_batches + 1):
             losses += self._run_schedule(data_iterators, True, self.num_microbatches)
-            after_batch(done)
+            if not go_on(done):
+                return None
         return _global_mean_loss(losses, self.device)

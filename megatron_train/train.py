@@ -219,7 +219,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     train_iters = [
         data.TimedBatches(data.batch_iterator(train_ds, progress.consumed_samples, cfg)) for _ in model
     ]
-    evaluator = Evaluator(cfg, stepper, valid_ds, log)
+    evaluator = Evaluator(cfg, stepper, valid_ds, log, watch)
     profiler = StepProfiler(cfg, rt.rank, rt.device, progress.iteration + 1, log)
     log.start_interval()
     exit_code, batch = EXIT_OK, cfg.train.global_batch_size

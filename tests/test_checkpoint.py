@@ -240,6 +240,28 @@ def test_sigusr1_to_the_local_launcher_saves_and_stops_every_rank(tmp_path, corp
     files.verify(files.iteration_dir(save_dir, int((save_dir / files.TRACKER).read_text())), checksums=True)
 
 
+def test_sigusr1_during_a_long_validation_cuts_it_short_and_saves_the_step(tmp_path, corpus):
+    """Slurm's pre-timeout signal in a validation longer than its window: the validation gives
+    way, the step is saved and the run stops with code 3; it waited for the whole validation, and
+    the scheduler's kill came before the save."""
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run",
+        train={"steps": 4, "eval_interval": 2, "eval_steps": 100000}, logging={"log_interval": 1},
+    )  # fmt: skip
+    log = tmp_path / "run.log"
+    proc = start([sys.executable, "-m", "megatron_train.train", "--config", str(config)], log)
+    wait_for(lambda: "validation at step 2 | batch 2/" in log.read_text(), proc, log, poll=0.05)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=120) == EXIT_STOPPED_EARLY, log.read_text()[-3000:]
+    text = log.read_text()
+    assert re.search(r"validation at step 2 \| batch [\d,]+/100,000 \| cut short on signal SIGUSR1", text)
+    assert "stopping after step 2 on signal SIGUSR1" in text, text[-3000:]
+    save_dir = tmp_path / "run" / "checkpoints"
+    assert (save_dir / files.TRACKER).read_text().strip() == "2"
+    files.verify(files.iteration_dir(save_dir, 2), checksums=True)
+    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2]
+
+
 def test_a_second_start_in_a_running_run_is_refused_and_sigusr1_saves_with_code_3(tmp_path, corpus):
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run",
