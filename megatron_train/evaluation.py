@@ -65,15 +65,15 @@ class Evaluator:
         def go_on(done: int) -> bool:
             if done == total:
                 return True
-            elapsed = time.perf_counter() - began
-            where = f"validation at step {step} | batch {done:,}/{total:,}"
-            if done % every == 0:
-                left = elapsed / done * (total - done)
-                self.log.info(f"{where} | {elapsed:.0f} s, about {left:.0f} s left")
             decision = self.watch.decide()
+            where = f"validation at step {step} | batch {done:,}/{total:,}"
             if decision.stop:
                 why = self.watch.why(decision)
                 self.log.info(f"{where} | cut short on {why}: no val loss at this step")
+            elif done % every == 0:
+                elapsed = time.perf_counter() - began
+                left = elapsed / done * (total - done)
+                self.log.info(f"{where} | {elapsed:.0f} s, about {left:.0f} s left")
             return not decision.stop
 
         return go_on
