@@ -213,18 +213,23 @@ def epochs(samples: int, seq_length: int, tokens: int) -> int:
     return max(1, -(-(samples * seq_length + 1) // tokens))
 
 
-def check_index_memory(cfg: ExperimentConfig, sizes: dict[str, list[SplitSize | None]]) -> None:
+def check_index_memory(
+    cfg: ExperimentConfig,
+    sizes: dict[str, list[SplitSize | None]],
+    consumed_samples: int = 0,
+    steps_done: int = 0,
+) -> None:
     """The dataset indices megatron-core builds in memory for this run (``sizes``: each dataset's
-    :func:`dataset_split_sizes`) fit this machine's memory.
+    :func:`dataset_split_sizes`; ``consumed_samples`` and ``steps_done`` as in
+    :func:`requested_samples`) fit this machine's memory.
 
     A run far longer than its data (``train.steps`` by mistake in the billions) otherwise stops in
     numpy's allocation after a long loop, or loops for hours counting epochs one at a time.
     """
     largest = (0, "", "", 0, 0)
     resident = transient = 0
-    for split_index, (samples, blend) in enumerate(
-        zip(requested_samples(cfg), split_blends(cfg), strict=True)
-    ):
+    requested = requested_samples(cfg, consumed_samples, steps_done)
+    for split_index, (samples, blend) in enumerate(zip(requested, split_blends(cfg), strict=True)):
         if blend is None:
             continue
         prefixes, weights = blend
@@ -251,13 +256,30 @@ def check_index_memory(cfg: ExperimentConfig, sizes: dict[str, list[SplitSize | 
         _, prefix, name, passes, tokens = largest
         key = "train.steps" if name == "train" else "train.eval_steps"
         steps = cfg.train.steps if name == "train" else cfg.train.eval_steps
+        asked = f"{steps:,} steps of {cfg.train.global_batch_size} samples"
+        if name == "train" and steps_done:
+            asked = (
+                f"resumed after {steps_done:,} steps that read {consumed_samples:,} samples, "
+                f"{steps - steps_done:,} more steps of {cfg.train.global_batch_size}"
+            )
         raise ConfigError(
             key,
-            f"{steps:,} steps of {cfg.train.global_batch_size} samples need {passes:,} passes over the "
+            f"{asked} need {passes:,} passes over the "
             f"{name} split of {prefix} ({tokens:,} tokens), whose dataset indices megatron-core builds "
             f"in memory: {needed / 2**30:,.1f} GiB, more than this machine's {available / 2**30:,.1f} GiB",
             f"lower {key} or train.global_batch_size, or give the run more data",
         )
+
+
+def check_resumed_index_memory(cfg: ExperimentConfig, consumed_samples: int, steps_done: int) -> None:
+    """:func:`check_index_memory` for a run resumed after ``steps_done`` steps, when it asks more
+    of its data than the start-up check counted (its ``train.global_batch_size`` is lower than the
+    checkpoint's)."""
+    t = cfg.train
+    if consumed_samples + (t.steps - steps_done) * t.global_batch_size <= t.steps * t.global_batch_size:
+        return
+    sizes = dataset_split_sizes(cfg, list(data_prefixes(cfg.data)))
+    check_index_memory(cfg, sizes, consumed_samples, steps_done)
 
 
 def checked_tokenizer(

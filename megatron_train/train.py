@@ -131,6 +131,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     from megatron_train.checkpoint.state import Progress, check_within_steps
     from megatron_train.evaluation import Evaluator
     from megatron_train.gc_pacing import GcPacing
+    from megatron_train.inputs import check_resumed_index_memory
     from megatron_train.model import build_model, compiles_rope, layer_implementation
     from megatron_train.models.common import asks_grad_accumulation_fusion, one_pass_loss
     from megatron_train.optim import build_optimizer
@@ -147,6 +148,9 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     if resume_from is not None:
         progress = checkpointer.load(resume_from, model, optimizer, scheduler)
         check_within_steps(resume_from, progress.iteration, cfg.train.steps)
+        _main_rank_decides(
+            rt, lambda: check_resumed_index_memory(cfg, progress.consumed_samples, progress.iteration)
+        )
         if progress.iteration == cfg.train.steps:
             log.info(
                 f"the run has trained all {cfg.train.steps} steps: nothing to do (raise train.steps to go on)"

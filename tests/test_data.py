@@ -27,7 +27,8 @@ from megatron_train import batch, data_cache, megatron_compat
 from megatron_train.config import ConfigError
 from megatron_train.data import IndexProgress, build_datasets, index_count
 from megatron_train.data_cache import drop_torn_indices
-from megatron_train.inputs import epochs, split_sizes
+from megatron_train.host_memory import physical_memory
+from megatron_train.inputs import check_resumed_index_memory, epochs, split_sizes
 from megatron_train.resolve import load_config
 from megatron_train.token_writer import TokenWriter
 from megatron_train.tokenizer import load_tokenizer
@@ -141,6 +142,21 @@ def test_epochs_are_the_passes_megatron_makes(tmp_path, corpus, tokenizer, singl
     dataset = BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, config).build()[0]
     assert epochs(samples, seq_length, train.tokens) == passes
     assert len(dataset.document_index) == passes * train.sequences
+
+
+def test_a_resume_that_lowers_the_batch_is_priced_for_the_samples_it_reads(tmp_path, corpus):
+    """A resume reads the checkpoint's samples again and then its remaining steps' (data.py), more
+    than the start-up check's train.steps x train.global_batch_size when the batch was lowered:
+    500 steps that read a sample per byte of this machine's memory, then 500 of 8."""
+    cfg = load_config(write_config(tmp_path / "c.yaml", corpus, tmp_path / "run"), ["train.steps=1000"])
+    check_resumed_index_memory(cfg, consumed_samples=500 * 8, steps_done=500)
+    with pytest.raises(ConfigError) as err:
+        check_resumed_index_memory(cfg, consumed_samples=physical_memory(), steps_done=500)
+    assert err.value.key == "train.steps"
+    assert f"resumed after 500 steps that read {physical_memory():,} samples, 500 more steps of 8" in str(
+        err.value
+    )
+    assert "dataset indices megatron-core builds in memory" in err.value.problem
 
 
 # data.split takes either separator (config.split_parts), as megatron-core's own parser does.
