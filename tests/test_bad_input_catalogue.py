@@ -680,6 +680,12 @@ CASES = [
     Case("blend-names-the-bin", "train", _train("data.blend=[WS/corpus/stdlib.bin]"), "drop the suffix"),
     Case("blend-names-a-folder", "train", _train("data.blend=[WS/corpus]"), "e.g. "),
     Case(
+        "merge-input-empty",
+        "merge",
+        _args("--input", "WS/corpus/stdlib", "", "--output-prefix", "WS/cases/m"),
+        "argument --input: an empty value",
+    ),
+    Case(
         "merge-input-names-the-idx",
         "merge",
         _args("--input", "WS/corpus/stdlib.idx", "--output-prefix", "WS/x"),
@@ -1992,6 +1998,25 @@ CASES = [
             ("/".join(["in", *["d" * 100] * 3, "b.jsonl"]), '{"text": "nested"}\n'),
         ),
     ),
+    # An empty path (a shell variable unset) was the current folder: its corpus files were read.
+    Case(
+        "preprocess-input-empty",
+        "preprocess",
+        _args("--input", "", "--output-prefix", "WS/cases/p/out", "--tokenizer", "WS/corpus/spm.model"),
+        "argument --input: an empty value",
+    ),
+    Case(
+        "preprocess-tokenizer-empty",
+        "preprocess",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "WS/cases/p/out", "--tokenizer", ""),
+        "argument --tokenizer: an empty value",
+    ),
+    Case(
+        "preprocess-output-dir-empty",
+        "preprocess",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-dir", "", "--tokenizer", "WS/corpus/spm.model"),
+        "argument --output-dir: an empty value",
+    ),
     Case(
         "preprocess-input-missing",
         "preprocess",
@@ -2139,6 +2164,12 @@ CASES = [
         "unknown file type",
     ),
     # train_tokenizer
+    Case(
+        "tokenizer-input-empty",
+        "tokenizer",
+        _args("--input", "", "--output-prefix", "WS/cases/t/spm"),
+        "argument --input: an empty value",
+    ),
     Case(
         "tokenizer-input-missing",
         "tokenizer",

@@ -28,8 +28,10 @@ from megatron_train.outputs import dataset_files, made_dir, output_prefix
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--input", required=True, nargs="+", help="dataset prefixes or folders of them")
-    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument(
+        "--input", type=cli.non_empty, required=True, nargs="+", help="dataset prefixes or folders of them"
+    )
+    parser.add_argument("--output-prefix", type=cli.non_empty, required=True)
     args = parser.parse_args(argv)
     return cli.run(lambda: merge(args))
 

@@ -52,12 +52,16 @@ from megatron_train.token_writer import TokenWriter, token_dtype
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--input", required=True, nargs="+", help="files, glob patterns or directories")
+    parser.add_argument(
+        "--input", type=cli.non_empty, required=True, nargs="+", help="files, glob patterns or directories"
+    )
     out = parser.add_mutually_exclusive_group(required=True)
-    out.add_argument("--output-prefix", help="one dataset: PREFIX.bin and PREFIX.idx")
-    out.add_argument("--output-dir", help="one dataset per input file in this folder")
+    out.add_argument("--output-prefix", type=cli.non_empty, help="one dataset: PREFIX.bin and PREFIX.idx")
+    out.add_argument("--output-dir", type=cli.non_empty, help="one dataset per input file in this folder")
     parser.add_argument("--tokenizer-type", choices=["sentencepiece", "huggingface"], default="sentencepiece")
-    parser.add_argument("--tokenizer", required=True, help="SentencePiece .model or HF directory")
+    parser.add_argument(
+        "--tokenizer", type=cli.non_empty, required=True, help="SentencePiece .model or HF directory"
+    )
     parser.add_argument("--text-key", default="text", help="the text field; a.b for a nested one")
     parser.add_argument(
         "--workers", type=cli.positive_int, default=len(os.sched_getaffinity(0)), help="threads in all"

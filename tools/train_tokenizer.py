@@ -63,8 +63,12 @@ class _Pieces:
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__)
-    parser.add_argument("--input", required=True, nargs="+", help="files, glob patterns or directories")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    parser.add_argument(
+        "--input", type=cli.non_empty, required=True, nargs="+", help="files, glob patterns or directories"
+    )
+    parser.add_argument(
+        "--output-prefix", type=cli.non_empty, required=True, help="writes PREFIX.model and PREFIX.vocab"
+    )
     parser.add_argument("--vocab-size", type=cli.positive_int, default=8192)
     parser.add_argument("--text-key", default="text")
     parser.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
