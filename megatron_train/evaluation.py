@@ -56,13 +56,16 @@ class Evaluator:
             self.log.log_validation(step, loss)
 
     def _go_on(self, step: int) -> Callable[[int], bool]:
-        """After each batch of a validation: a line every ``logging.log_interval`` batches, so a
-        long one is seen to move (the last batch's line is the result), and whether to go on.
-        A stop signal or train.exit_after_minutes ends it early, as Megatron-LM's time limit
-        does, so that the save it asks for comes before the scheduler's kill."""
+        """After each schedule call of a validation (``done`` batches in all): a line once each
+        ``logging.log_interval`` batches, so a long one is seen to move (the last batch's line is
+        the result), and whether to go on. A stop signal or train.exit_after_minutes ends it
+        early, as Megatron-LM's time limit does, so that the save it asks for comes before the
+        scheduler's kill."""
         began, total, every = time.perf_counter(), self.cfg.train.eval_steps, self.cfg.logging.log_interval
+        reported = 0
 
         def go_on(done: int) -> bool:
+            nonlocal reported
             if done == total:
                 return True
             decision = self.watch.decide()
@@ -70,7 +73,8 @@ class Evaluator:
             if decision.stop:
                 why = self.watch.why(decision)
                 self.log.info(f"{where} | cut short on {why}: no val loss at this step")
-            elif done % every == 0:
+            elif done // every > reported // every:
+                reported = done
                 elapsed = time.perf_counter() - began
                 left = elapsed / done * (total - done)
                 self.log.info(f"{where} | {elapsed:.0f} s, about {left:.0f} s left")

@@ -100,6 +100,14 @@ def _wire_schedule_hooks(cfg: ExperimentConfig, model: list, optimizer) -> None:
         tconfig.param_sync_func = sync[0] if len(sync) == 1 else sync
 
 
+def eval_batches_per_call(pipeline: int, microbatches: int) -> int:
+    """Global batches of ``microbatches`` each that a validation runs per schedule call: enough
+    that the pipeline's fill and drain (``pipeline - 1`` micro-batch slots a call) are at most a
+    tenth of the call: one a call, as Megatron-LM runs them, pays that fill and drain every
+    batch (README, "Checkpoints and resume", has the figures)."""
+    return math.ceil(9 * (pipeline - 1) / microbatches) or 1
+
+
 class Stepper:
     """Runs training steps and validation passes for a fixed model, optimizer and batch shape."""
 
@@ -109,6 +117,7 @@ class Stepper:
         self.seq_length, self.micro_batch_size = cfg.data.seq_length, t.micro_batch_size
         dp = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+        self.eval_batches_per_call = eval_batches_per_call(cfg.parallel.pipeline, self.num_microbatches)
         self.device = device
         _wire_schedule_hooks(cfg, model, optimizer)
         select_adam_kernel(optimizer)
@@ -158,14 +167,16 @@ class Stepper:
         self, data_iterators: list[Iterator], num_batches: int, go_on: Callable[[int], bool]
     ) -> float | None:
         """Mean token loss over ``num_batches`` global batches, without gradients, or None when
-        ``go_on`` (told how many are done after each, and agreed by every rank) says to stop
-        early. One schedule call a batch, as Megatron-LM does, so that a long validation can
-        report progress and give way to a stop signal."""
+        ``go_on`` (told how many are done after each schedule call, and agreed by every rank)
+        says to stop early. Several schedule calls, not one for all (:func:`eval_batches_per_call`
+        a call), so that a long validation can report progress and give way to a stop signal."""
         for chunk in self.model:
             chunk.eval()
-        losses = []
-        for done in range(1, num_batches + 1):
-            losses += self._run_schedule(data_iterators, True, self.num_microbatches)
+        losses, done = [], 0
+        while done < num_batches:
+            batches = min(self.eval_batches_per_call, num_batches - done)
+            losses += self._run_schedule(data_iterators, True, batches * self.num_microbatches)
+            done += batches
             if not go_on(done):
                 return None
         return _global_mean_loss(losses, self.device)
