@@ -74,13 +74,6 @@ def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
             f"drop the suffix: {key} {text[: -len(given)]}",
         )
     prefix = Path(text)
-    if all(suffixes) and prefix.exists() and not (prefix.is_file() or prefix.is_dir()):
-        # /dev/null as a prefix, meaning "discard it", would write /dev/null.bin into /dev.
-        raise ConfigError(
-            key,
-            f"{text} is a device, pipe or socket: the output would go beside it as {text}{suffixes[0]}",
-            "name a file stem in a folder for the output, e.g. data/corpus",
-        )
     allowed = name_room(suffixes)
     if len(prefix.name.encode()) > allowed:
         raise ConfigError(
