@@ -275,8 +275,7 @@ def check_resumed_index_memory(cfg: ExperimentConfig, consumed_samples: int, ste
     """:func:`check_index_memory` for a run resumed after ``steps_done`` steps, when it asks more
     of its data than the start-up check counted (its ``train.global_batch_size`` is lower than the
     checkpoint's)."""
-    t = cfg.train
-    if consumed_samples + (t.steps - steps_done) * t.global_batch_size <= t.steps * t.global_batch_size:
+    if requested_samples(cfg, consumed_samples, steps_done)[0] <= requested_samples(cfg)[0]:
         return
     sizes = dataset_split_sizes(cfg, list(data_prefixes(cfg.data)))
     check_index_memory(cfg, sizes, consumed_samples, steps_done)
