@@ -83,6 +83,14 @@ def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
             f"shorten {prefix.name[:20]}... to at most {allowed} bytes",
         )
     check_output_dir(key, prefix.parent)
+    # After the length checks: Path.exists raises for a name or path the file system refuses.
+    if all(suffixes) and prefix.exists() and not (prefix.is_file() or prefix.is_dir()):
+        # /dev/null as a prefix, meaning "discard it", would write /dev/null.bin into /dev.
+        raise ConfigError(
+            key,
+            f"{text} is a device, pipe or socket: the output would go beside it as {text}{suffixes[0]}",
+            "name a file stem in a folder for the output, e.g. data/corpus",
+        )
     check_new_files(key, prefix, suffixes)
     return prefix
 

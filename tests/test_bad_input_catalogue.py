@@ -686,6 +686,12 @@ CASES = [
         "argument --input: an empty value",
     ),
     Case(
+        "merge-output-prefix-a-device",
+        "merge",
+        _args("--input", "WS/corpus/stdlib", "--output-prefix", "/dev/null"),
+        "/dev/null is a device, pipe or socket",
+    ),
+    Case(
         "merge-input-names-the-idx",
         "merge",
         _args("--input", "WS/corpus/stdlib.idx", "--output-prefix", "WS/x"),
@@ -2169,6 +2175,12 @@ CASES = [
         "tokenizer",
         _args("--input", "", "--output-prefix", "WS/cases/t/spm"),
         "argument --input: an empty value",
+    ),
+    Case(
+        "tokenizer-output-prefix-a-device",
+        "tokenizer",
+        _args("--input", "WS/corpus/stdlib.jsonl", "--output-prefix", "/dev/null"),
+        "would go beside it as /dev/null.model",
     ),
     Case(
         "tokenizer-input-missing",
