@@ -44,15 +44,22 @@ def slurm_time(text: str) -> str:
 JOB_NAME_MAX = NAME_MAX - len("-4294967295.out")
 
 
+def slurm_name(text: str) -> str:
+    """A name sbatch passes on as it is: no Slurm name holds a control character, yet a cluster
+    that enforces no accounts queued ``--account $'a\\nb'`` (Slurm 22.05)."""
+    text = cli.non_empty(text)
+    if not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r} holds a control character (a newline or tab)")
+    return text
+
+
 def job_name(text: str) -> str:
     """A job name: it names the job's log file and folder, so it holds no ``/`` (Slurm does not
     make the folder that would ask for, and a job whose output file cannot open fails with no log:
     JobLaunchFailure on Slurm 22.05)."""
-    text = cli.non_empty(text)
+    text = slurm_name(text)
     if "/" in text:
         raise argparse.ArgumentTypeError(f"{text!r} holds a '/', but it names the job's log file")
-    if not text.isprintable():
-        raise argparse.ArgumentTypeError(f"{text!r} holds a control character (a newline or tab)")
     if len(text.encode()) > JOB_NAME_MAX:
         raise argparse.ArgumentTypeError(
             f"a name of {len(text.encode())} bytes, but it names the job's log file NAME-JOBID.out, "
@@ -97,8 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--cpu", action="store_true", help="CPU-only nodes: no --gpus-per-node request")
     parser.add_argument("--time", type=slurm_time, default="24:00:00", help="time limit (sbatch --time)")
-    parser.add_argument("--partition", type=cli.non_empty)
-    parser.add_argument("--account", type=cli.non_empty)
+    parser.add_argument("--partition", type=slurm_name)
+    parser.add_argument("--account", type=slurm_name)
     parser.add_argument("--job-name", type=job_name, default="megatron-train")
     parser.add_argument("--signal-seconds", type=cli.signal_seconds, default=300,
                         help="send SIGUSR1 this long before the time limit (save, then requeue)")  # fmt: skip

@@ -1443,6 +1443,18 @@ CASES = [
         "holds a control character",
     ),
     Case(
+        "submit-account-with-a-newline",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--account", "proj\n1", "--dry-run"),
+        "holds a control character",
+    ),
+    Case(
+        "submit-partition-with-a-tab",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--partition", "gpu\t", "--dry-run"),
+        "holds a control character",
+    ),
+    Case(
         "submit-preflight-fails",
         "submit",
         _preflight("--dry-run", "parallel.tensor=3"),
