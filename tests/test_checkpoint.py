@@ -72,10 +72,15 @@ def metric_lines(run_dir: Path) -> list[tuple]:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in records(run_dir)]
 
 
-# PP and VPP, DP > 1 and expert parallelism (tests/test_slurm.py adds TP2 x PP2 across two nodes).
-# Dropout: the resumed run must draw the same masks from the restored RNG streams.
+# PP and VPP, DP > 1, TP with SP, our context parallelism over document masks, recompute and expert
+# parallelism (tests/test_slurm.py adds TP2 x PP2 across two nodes). Dropout: the resumed run must
+# draw the same masks from the restored RNG streams (TP's tracker too; recompute draws them twice).
+DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
 EXACT_LAYOUTS = [
-    ("dp2-dropout", 2, ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]),
+    ("dp2-dropout", 2, DROPOUT),
+    ("tp2-sp-dropout", 2, ["parallel.tensor=2", "parallel.sequence_parallel=true", *DROPOUT]),
+    ("cp2-documents", 2, ["parallel.context=2", "data.document_mask=true"]),
+    ("recompute-full-dropout", 1, ["model.recompute=full", *DROPOUT]),
     (
         "pp4vpp2",
         4,
