@@ -131,6 +131,8 @@ def common_options(hf: dict, family: str) -> dict:
 def with_head_dim(options: dict) -> dict:
     """``options`` with the head dimension recorded explicitly (transformers' default is ours),
     so a saved config never depends on it."""
+    if not options["num_attention_heads"]:
+        return options  # no head dimension to derive; the validation names the head count
     return {**options, "kv_channels": ModelConfig(**options).head_dim}
 
 

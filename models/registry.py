@@ -34,10 +34,11 @@ def preset(name: str) -> tuple[Family, dict]:
 def for_hf(hf: dict) -> Family:
     """The family that reads a Hugging Face config.json (its one ``architectures`` entry)."""
     archs = hf.get("architectures") or []
-    if isinstance(archs, str):
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        example = json.dumps([archs]) if isinstance(archs, str) else 'such as ["LlamaForCausalLM"]'
         raise ConversionError(
-            f"config.json architectures={archs!r}: expected a list of the one class that saved it, "
-            f"{json.dumps([archs])}; correct config.json, or download the model again"
+            f"config.json architectures={shown(archs)}: expected a list of the one class that saved it, "
+            f"{example}; correct config.json, or download the model again"
         )
     for family in FAMILIES.values():
         if len(archs) == 1 and archs[0] in family.hf_architectures:

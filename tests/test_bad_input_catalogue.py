@@ -1572,6 +1572,23 @@ CASES = [
         'expected a list of the one class that saved it, ["LlamaForCausalLM"]',
         _hf_copy(_edit_hf_config(lambda c: c.update(architectures="LlamaForCausalLM"))),
     ),
+    # a TypeError traceback (len() of a number)
+    Case(
+        "import-hf-architectures-a-number",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-architectures-a-number/hf", "--out", "WS/cases/o"),
+        'architectures=1: expected a list of the one class that saved it, such as ["LlamaForCausalLM"]',
+        _hf_copy(_edit_hf_config(lambda c: c.update(architectures=1))),
+    ),
+    # without head_dim, the head dimension was derived before the head count was checked: a
+    # ZeroDivisionError traceback
+    Case(
+        "import-hf-no-heads",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-no-heads/hf", "--out", "WS/cases/o"),
+        "config.json num_attention_heads: 0 is out of range",
+        _hf_copy(_edit_hf_config(lambda c: c.update(num_attention_heads=0, head_dim=None))),
+    ),
     # transformers builds the class of model_type, not of architectures: this one is GPT-2 to it
     Case(
         "import-hf-model-type-of-another-model",
