@@ -297,6 +297,13 @@ def _patch_idx(offset: int, data: bytes) -> Callable[[Path], None]:
     return damage
 
 
+# Llama-3.1 RoPE scaling as config.json holds it, one of its required keys left out.
+LLAMA3_ROPE_WITHOUT_LOW_FREQ_FACTOR = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}  # fmt: skip
+
+
 def _hf_copy(edit: Callable[[Path], None]) -> Callable[[Path, str], None]:
     def setup(ws: Path, case_id: str) -> None:
         dst = _case(ws, case_id) / "hf"
@@ -1588,6 +1595,22 @@ CASES = [
         _args("import-hf", "--hf", "WS/cases/import-hf-no-heads/hf", "--out", "WS/cases/o"),
         "config.json num_attention_heads: 0 is out of range",
         _hf_copy(_edit_hf_config(lambda c: c.update(num_attention_heads=0, head_dim=None))),
+    ),
+    # transformers' getattr(torch, dtype): an AttributeError traceback
+    Case(
+        "import-hf-dtype-not-a-dtype",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-dtype-not-a-dtype/hf", "--out", "WS/cases/o"),
+        "config.json dtype='bf16': expected the name of a torch dtype, such as \"bfloat16\"",
+        _hf_copy(_edit_hf_config(lambda c: c.update(dtype="bf16"))),
+    ),
+    # transformers' RoPE validation raised a KeyError, which its read check did not catch
+    Case(
+        "import-hf-llama3-rope-incomplete",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-llama3-rope-incomplete/hf", "--out", "WS/cases/o"),
+        "(Missing required keys in `rope_parameters` for 'rope_type'='llama3': {'low_freq_factor'})",
+        _hf_copy(_edit_hf_config(lambda c: c.update(rope_parameters=LLAMA3_ROPE_WITHOUT_LOW_FREQ_FACTOR))),
     ),
     # transformers builds the class of model_type, not of architectures: this one is GPT-2 to it
     Case(

@@ -95,16 +95,18 @@ def _check_transformers_reads(hf_dir: Path) -> None:
     does not use (a token id given as a string) would fail every load of the result, the
     tokenizer's included."""
     import transformers
-    from huggingface_hub.errors import StrictDataclassError
 
     # Its warnings on a config it reads (a field it would set otherwise) are not this check's.
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
         transformers.AutoConfig.from_pretrained(str(hf_dir))
-    except (StrictDataclassError, TypeError, ValueError) as err:
-        # A strict field's own TypeError names the field, its value and the types it takes.
-        why = " ".join(str(err.__cause__ or err).split()).split(". Errors:")[0]
+    except Exception as err:
+        # Whatever it raises on a local file is the file's fault: a strict field's TypeError (which
+        # names the field, its value and the types it takes), its RoPE validation's KeyError, ...
+        cause = err.__cause__ or err
+        text = cause.args[0] if isinstance(cause, KeyError) and cause.args else cause
+        why = " ".join(str(text).split()).split(". Errors:")[0]
         raise ConversionError(
             f"transformers cannot read {Path(hf_dir) / 'config.json'} ({why}); correct config.json, or "
             "download the model again"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_train import json_text
-from megatron_train.errors import ConversionError, not_a_file, reason
+from megatron_train.errors import ConversionError, not_a_file, reason, shown
 
 if TYPE_CHECKING:
     import torch
@@ -62,13 +62,24 @@ def read_hf_config(hf_dir: Path) -> dict:
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf["model_type"])
         if architecture is not None:
             hf["architectures"] = [architecture]
+    hf_dtype(hf)
     return hf
 
 
 def hf_dtype(hf: dict) -> torch.dtype | None:
-    """The weights' dtype config.json declares (``dtype`` or the older ``torch_dtype``)."""
+    """The weights' dtype config.json declares (``dtype`` or the older ``torch_dtype``), None when
+    it declares none; a ConversionError when it is not a torch dtype's name, which transformers
+    cannot read either."""
     import torch  # here: checkpoint.files tells a model directory apart without loading torch
 
-    name = hf.get("dtype") or hf.get("torch_dtype")
+    field = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+    name = hf.get(field)
+    if name is None:
+        return None
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ConversionError(
+            f'config.json {field}={shown(name)}: expected the name of a torch dtype, such as "bfloat16"; '
+            "correct config.json, or download the model again"
+        )
+    return dtype
