@@ -1612,6 +1612,14 @@ CASES = [
         "(Missing required keys in `rope_parameters` for 'rope_type'='llama3': {'low_freq_factor'})",
         _hf_copy(_edit_hf_config(lambda c: c.update(rope_parameters=LLAMA3_ROPE_WITHOUT_LOW_FREQ_FACTOR))),
     ),
+    # transformers' JSONDecodeError, in a traceback
+    Case(
+        "import-hf-tokenizer-json-cut-short",
+        "convert",
+        _args("import-hf", "--hf", "WS/cases/import-hf-tokenizer-json-cut-short/hf", "--out", "WS/cases/o"),
+        "import-hf-tokenizer-json-cut-short/hf do not load in transformers (Expecting property name",
+        _hf_copy(lambda hf: (hf / "tokenizer.json").write_text('{"version": "1.0", "model": {')),
+    ),
     # transformers builds the class of model_type, not of architectures: this one is GPT-2 to it
     Case(
         "import-hf-model-type-of-another-model",

@@ -121,7 +121,13 @@ def _check_tokenizer(hf_dir: Path, vocab_size: int) -> bool:
         return False
     import transformers
 
-    tokens = len(transformers.AutoTokenizer.from_pretrained(str(hf_dir)))
+    try:
+        tokens = len(transformers.AutoTokenizer.from_pretrained(str(hf_dir)))
+    except Exception as err:  # tokenizers, sentencepiece and transformers raise many kinds
+        raise ConversionError(
+            f"the tokenizer files in {hf_dir} do not load in transformers ({reason(err)}); download the "
+            "model's tokenizer files again"
+        ) from err
     if tokens > vocab_size:
         raise ConversionError(
             f"the tokenizer in {hf_dir} has {tokens} tokens but config.json's vocab_size is {vocab_size}; "
