@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_train.checkpoint import files
@@ -154,6 +155,23 @@ def test_a_run_directory_names_the_checkpoints_in_its_default_save_dir(tmp_path)
     save_dir.mkdir(parents=True)
     good = make_checkpoint(save_dir, 10)
     assert files.resolve_explicit(tmp_path / "run") == good
+
+
+@pytest.mark.parametrize(
+    "recorded",
+    ["with\0nul", "x" * 300, "/".join(["x"] * 3000), "config.yaml/under-a-file"],
+    ids=["nul", "name-too-long", "path-too-long", "under-a-file"],
+)
+def test_a_fresh_start_over_a_run_whose_config_names_a_save_dir_that_cannot_exist(tmp_path, recorded):
+    """A damaged config.yaml of an earlier run (it crashed before its first save) names a save dir
+    no folder can have: that run holds no checkpoints, so a fresh start goes on (it raised a
+    ValueError on the NUL, and blamed this start's config for the long paths)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recorded = recorded.replace("config.yaml/", f"{run_dir}/config.yaml/")
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"checkpoint": {"save_dir": recorded}}))
+    (run_dir / "metrics.jsonl").touch()
+    assert files.resolve_load("auto", run_dir / "checkpoints", run_dir=run_dir).path is None
 
 
 def test_tracker_update_overwrites_and_leaves_no_temp_files(tmp_path):

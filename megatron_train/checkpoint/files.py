@@ -9,6 +9,7 @@ a record exists.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -324,7 +325,8 @@ def _check_continues_save_dir(start: Path | None, save_dir: Path, finetune: bool
 
 def _recorded_save_dir(run_dir: Path) -> Path | None:
     """The save dir of the run ``run_dir`` holds, as its resolved ``config.yaml`` names it; None
-    where the folder holds no run (no ``metrics.jsonl``) or its config cannot be read."""
+    where the folder holds no run (no ``metrics.jsonl``), its config cannot be read or names a save
+    dir that cannot exist (the file is damaged: the run wrote a path it used)."""
     config, metrics = Path(run_dir) / "config.yaml", Path(run_dir) / "metrics.jsonl"
     if not (config.is_file() and metrics.is_file()):
         return None
@@ -333,7 +335,17 @@ def _recorded_save_dir(run_dir: Path) -> Path | None:
         save_dir = recorded["checkpoint"]["save_dir"]
     except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, ValueError, RecursionError):
         return None
-    return Path(save_dir) if isinstance(save_dir, str) and save_dir else Path(run_dir) / SAVE_DIR_IN_RUN
+    if not (isinstance(save_dir, str) and save_dir):
+        return Path(run_dir) / SAVE_DIR_IN_RUN
+    try:
+        os.stat(save_dir)
+    except ValueError:  # a NUL byte
+        return None
+    except OSError as err:
+        # A path no folder can have (too long, through a file) holds no checkpoints either.
+        if err.errno in (errno.ENOENT, errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP):
+            return None
+    return Path(save_dir)
 
 
 def _check_fresh_start_in_run_dir(run_dir: Path, save_dir: Path) -> None:
