@@ -1239,6 +1239,16 @@ CASES = [
         "complete.json",
         _copy_ckpt(lambda c: (c / "complete.json").write_text('{"files": 5}')),
     ),
+    # an OSError traceback (File name too long) from the size check
+    Case(
+        "record-lists-a-name-too-long",
+        "train",
+        _train(FRESH, "checkpoint.load=WS/cases/record-lists-a-name-too-long/ckpt/iter_0000004"),
+        "complete.json lists a file no file system holds ('xxxxx",
+        _copy_ckpt(
+            lambda c: (c / "complete.json").write_text(json.dumps({"files": {"x" * 300: {"size": 1}}}))
+        ),
+    ),
     Case(
         "record-entry-no-size",
         "train",

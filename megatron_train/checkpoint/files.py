@@ -22,7 +22,7 @@ import yaml
 
 from megatron_train import json_text
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError, ConfigError, not_a_file
+from megatron_train.errors import CheckpointError, ConfigError, not_a_file, shown
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
@@ -133,9 +133,16 @@ def verify(ckpt_dir: Path, checksums: bool = False) -> dict:
         check_checksums_recorded(ckpt_dir, record)
     for name, entry in record["files"].items():
         path = ckpt_dir / name
-        if not path.is_file():
+        try:
+            size = path.stat().st_size if path.is_file() else None
+        except (OSError, ValueError) as err:  # a name too long, or with a NUL: no save wrote it
+            why = err.strerror if isinstance(err, OSError) else err
+            raise CheckpointError(
+                f"{ckpt_dir}: {RECORD} lists a file no file system holds ({shown(name)}: {why}): the "
+                "checkpoint is corrupt"
+            ) from None
+        if size is None:
             raise CheckpointError(f"{ckpt_dir}: file {name} listed in {RECORD} is missing")
-        size = path.stat().st_size
         if size != entry["size"]:
             raise CheckpointError(
                 f"{ckpt_dir}: file {name} has {size} bytes, {RECORD} says {entry['size']} "
