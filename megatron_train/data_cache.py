@@ -62,6 +62,11 @@ def _recorded(cache_dir: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def built_from(cache_dir: str | Path) -> set[str]:
+    """The dataset prefixes whose indices the cache in ``cache_dir`` holds."""
+    return set(_recorded(Path(cache_dir)))
+
+
 def check_unchanged(cache_dir: str | Path, prefixes: dict[str, str]) -> None:
     """Refuse a start whose cache holds indices built from another dataset at one of ``prefixes``
     (each with the option that names it)."""

@@ -1,5 +1,6 @@
 """The files a config names, checked before any of them is used: indexed datasets (header,
-version, dtype and sizes against the ``.bin``), every split of every dataset (one sample at
+version, dtype and sizes against the ``.bin``; every ``.idx`` entry of one the data cache has not
+met), every split of every dataset (one sample at
 least), the tokenizer (loadable as its stated type, and its vocabulary fits the data) and the
 output directories (creatable). Each problem is a ConfigError naming the key; nothing is
 written."""
@@ -52,11 +53,14 @@ _BLEND_SURPLUS = GPTDatasetConfig.mid_level_dataset_surplus
 _REPREPROCESS = "preprocess the data again with tools/preprocess_data.py or fix the prefix"
 _RETOKENIZE = "preprocess it with this tokenizer, or set data.tokenizer to the one it was made with"
 _ID_SAMPLE_BYTES = 16 * 1024
+# Entries of an .idx checked at a time: 16 Mi of them hold 192 MiB of lengths and offsets.
+_ENTRIES_PER_READ = 1 << 24
 
 
-def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
+def check_indexed_dataset(prefix: str, key: str = "data.blend", entries: bool = False) -> np.dtype:
     """The token dtype of the indexed dataset at ``prefix`` once its ``.idx`` header and its
-    sizes agree with each other and with the ``.bin`` (reading a few bytes, whatever the size);
+    sizes agree with each other and with the ``.bin`` (reading a few bytes, whatever the size)
+    and, with ``entries``, every entry of the ``.idx`` with the others (reading it all);
     problems are ConfigErrors at ``key``."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     stem = prefix[: -len(".bin")]
@@ -101,7 +105,48 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend") -> np.dtype:
             ".bin and .idx come from different runs",
             _REPREPROCESS,
         )
+    if entries:
+        _check_index_entries(idx, sequences, documents, dtype.itemsize, key)
     return dtype
+
+
+def _check_index_entries(idx: Path, sequences: int, documents: int, itemsize: int, key: str) -> None:
+    """Each sequence's length is >= 0 and it starts where the one before it ends, and the document
+    boundaries climb from 0 to the sequence count. megatron-core reads them unchecked: a damaged
+    entry was a ValueError or an AssertionError in its index build, or training on other bytes."""
+    lengths, pointers = _lengths_and_pointers(idx, sequences)
+    boundaries = np.memmap(idx, np.int64, "r", offset=_HEADER.size + 12 * sequences, shape=(documents,))
+
+    def damaged(what: str) -> ConfigError:
+        return ConfigError(key, f"{idx} is damaged: {what}", _REPREPROCESS)
+
+    start = 0  # where the next sequence starts in the .bin
+    for lo in range(0, sequences, _ENTRIES_PER_READ):
+        length = np.asarray(lengths[lo : lo + _ENTRIES_PER_READ], np.int64)
+        pointer = np.asarray(pointers[lo : lo + _ENTRIES_PER_READ])
+        if (bad := np.flatnonzero(length < 0)).size:
+            raise damaged(f"sequence {lo + int(bad[0]):,} has length {int(length[bad[0]]):,}")
+        ends = pointer + length * itemsize
+        expected = np.concatenate(([start], ends[:-1]))
+        if (bad := np.flatnonzero(pointer != expected)).size:
+            i = int(bad[0])
+            raise damaged(
+                f"sequence {lo + i:,} starts at byte {int(pointer[i]):,}, not {int(expected[i]):,} where the "
+                "one before it ends"
+            )
+        start = int(ends[-1])
+    last = 0
+    for lo in range(0, documents, _ENTRIES_PER_READ):
+        bound = np.asarray(boundaries[lo : lo + _ENTRIES_PER_READ])
+        if (bad := np.flatnonzero((np.diff(bound, prepend=last) < 0) | (bound > sequences))).size:
+            i = int(bad[0])
+            raise damaged(
+                f"document boundary {lo + i:,} is sequence {int(bound[i]):,}, outside 0..{sequences:,} or "
+                "before the one before it"
+            )
+        last = int(bound[-1])
+    if documents == 0 or boundaries[0] != 0 or last != sequences:
+        raise damaged(f"its document boundaries do not run from sequence 0 to the last, {sequences:,}")
 
 
 def largest_sampled_id(prefix: str, dtype: np.dtype) -> int:
@@ -314,7 +359,10 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     if not cfg.data.blend:
         raise ConfigError("data.blend", "no training data given", "list dataset prefixes")
     keys = data_prefixes(cfg.data)
-    dtypes = {prefix: check_indexed_dataset(prefix, key) for prefix, key in keys.items()}
+    # A dataset read through the data cache for the first time has every .idx entry checked (as
+    # megatron-core's first index build reads them all anyway); later starts read a few bytes.
+    seen = data_cache.built_from(data_cache_dir(cfg))
+    dtypes = {prefix: check_indexed_dataset(prefix, key, prefix not in seen) for prefix, key in keys.items()}
     sizes = dataset_split_sizes(cfg, list(dtypes))
     check_splits_hold_a_sample(sizes, cfg.data)
     check_index_memory(cfg, sizes)

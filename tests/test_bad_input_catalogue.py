@@ -205,6 +205,23 @@ def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
     return setup
 
 
+def _set_idx_entry(array: str, index: int, value: int) -> Callable[[Path], None]:
+    """Set entry ``index`` (negative: from the end) of one of the .idx's arrays: ``lengths``
+    (int32), ``pointers`` or ``documents`` (int64), keeping every size as it was."""
+
+    def damage(prefix: Path) -> None:
+        idx = prefix.with_suffix(".idx")
+        sequences, documents = struct.unpack("<QQ", idx.read_bytes()[18:34])
+        offset, dtype, count = {
+            "lengths": (34, np.int32, sequences),
+            "pointers": (34 + 4 * sequences, np.int64, sequences),
+            "documents": (34 + 12 * sequences, np.int64, documents),
+        }[array]
+        np.memmap(idx, dtype, "r+", offset=offset, shape=(count,))[index] = value
+
+    return damage
+
+
 def _small_data(docs: int, tokens: int, token_id: int = 5) -> Callable[[Path, str], None]:
     """A dataset of ``docs`` documents of ``tokens`` tokens each, all ``token_id``."""
 
@@ -800,6 +817,30 @@ CASES = [
         _train("data.blend=[WS/cases/idx-header-only/data]"),
         "data.idx",
         _copy_data(_truncate(".idx", 20)),
+    ),
+    # megatron-core reads the entries unchecked: a ValueError traceback from its index build
+    Case(
+        "idx-sequence-longer-than-its-bytes",
+        "train",
+        _train("data.blend=[WS/cases/idx-sequence-longer-than-its-bytes/data]"),
+        "data.idx is damaged: sequence 11 starts at byte",
+        _copy_data(_set_idx_entry("lengths", 10, 2**30)),
+    ),
+    # ... an AssertionError traceback
+    Case(
+        "idx-document-boundary-past-the-sequences",
+        "train",
+        _train("data.blend=[WS/cases/idx-document-boundary-past-the-sequences/data]"),
+        "data.idx is damaged: document boundary",
+        _copy_data(_set_idx_entry("documents", -1, 2**20)),
+    ),
+    # ... and training on other bytes than the documents'
+    Case(
+        "idx-negative-sequence-length",
+        "train",
+        _train("data.blend=[WS/cases/idx-negative-sequence-length/data]"),
+        "data.idx is damaged: sequence 10 has length -5",
+        _copy_data(_set_idx_entry("lengths", 10, -5)),
     ),
     Case(
         "idx-bad-magic",
