@@ -59,7 +59,19 @@ def _recorded(cache_dir: Path) -> dict:
         found = json_text.loads((cache_dir / RECORD).read_text())
     except (OSError, ValueError):  # no record yet (or one a crash mangled): nothing to compare
         return {}
-    return found if isinstance(found, dict) else {}
+    if not isinstance(found, dict):
+        return {}
+    # An entry of another shape (edited by hand) is as good as none.
+    return {prefix: entry for prefix, entry in found.items() if _is_identity(entry)}
+
+
+def _is_identity(entry: object) -> bool:
+    """Whether ``entry`` has the fields and types :func:`identity` gives."""
+    return (
+        isinstance(entry, dict)
+        and all(type(entry.get(key)) is int for key in ("bin_bytes", "idx_bytes"))
+        and isinstance(entry.get("idx_ends_sha256"), str)
+    )
 
 
 def built_from(cache_dir: str | Path) -> set[str]:

@@ -296,6 +296,22 @@ def test_a_dataset_tokenized_again_under_its_prefix_is_refused_until_it_is_resto
     assert json.loads((cache / data_cache.RECORD).read_text()).keys() == {str(prefix)}
 
 
+@pytest.mark.parametrize(
+    "entry", [5, None, {"bin_bytes": 1}, {"bin_bytes": "x", "idx_bytes": 1, "idx_ends_sha256": "0"}]
+)
+def test_a_cache_record_entry_of_another_shape_counts_as_none(tmp_path, corpus, entry):
+    """An entry of the cache's dataset record edited by hand was a TypeError or ValueError
+    traceback at start-up; it is as good as no entry (the record of a cut-short write is too), and
+    the next record replaces it."""
+    prefix, cache = str(corpus["prefix"]), tmp_path / "cache"
+    cache.mkdir()
+    (cache / data_cache.RECORD).write_text(json.dumps({prefix: entry}))
+    data_cache.check_unchanged(cache, {prefix: "data.blend"})
+    assert data_cache.built_from(cache) == set()
+    data_cache.record(cache, [prefix])
+    assert json.loads((cache / data_cache.RECORD).read_text()) == {prefix: data_cache.identity(prefix)}
+
+
 def test_a_tool_whose_output_finds_no_room_says_so_in_one_line_and_leaves_nothing(tmp_path, corpus):
     limit = corpus["prefix"].with_suffix(".bin").stat().st_size // 2
     # A per-process file size limit refuses the write as a full disk would (Python ignores
