@@ -23,6 +23,7 @@ from megatron.core.datasets.indexed_dataset import DType
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
 from megatron_train import data_cache
+from megatron_train.checkpoint.files import TRACKER
 from megatron_train.config import (
     DataConfig,
     ExperimentConfig,
@@ -34,7 +35,7 @@ from megatron_train.config import (
 )
 from megatron_train.errors import ConfigError, not_a_file
 from megatron_train.host_memory import physical_memory
-from megatron_train.outputs import check_own_dir, check_run_dir
+from megatron_train.outputs import check_output_file, check_own_dir, check_run_dir
 from megatron_train.text_encoding import tokenizer_loading
 from megatron_train.token_writer import INDEX_HEADER
 from megatron_train.tokenizer import load_tokenizer
@@ -398,5 +399,12 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     }
     for key, folder in folders.items():
         check_own_dir(key, folder)
+    # The files a start rewrites in them: a directory there failed the first save, or the start.
+    for key, written in (
+        ("checkpoint.save_dir", checkpoint_dir(cfg) / TRACKER),
+        ("data.cache_dir", data_cache_dir(cfg) / data_cache.RECORD),
+        ("data.cache_dir", data_cache_dir(cfg) / data_cache.LOCK),
+    ):
+        check_output_file(key, written)
     data_cache.check_unchanged(data_cache_dir(cfg), keys)
     return vocab

@@ -1193,6 +1193,29 @@ CASES = [
         "iter_0000004 was complete when it was saved",
         _run_with_ckpt(lambda c: (c / "common.pt").unlink()),
     ),
+    # it trained, then failed its first save (exit 1) with the run's files changed
+    Case(
+        "resume-tracker-a-directory",
+        "train",
+        _train("logging.run_dir=WS/cases/resume-tracker-a-directory/run", "train.steps=6"),
+        "latest_checkpointed_iteration.txt is a directory, where the run writes a file",
+        _run_with_ckpt(lambda c: (c.parent / "latest_checkpointed_iteration.txt").mkdir()),
+    ),
+    # IsADirectoryError tracebacks, from the cache's lock and its record
+    Case(
+        "cache-lock-a-directory",
+        "train",
+        _train("logging.run_dir=WS/cases/cache-lock-a-directory/run", "train.steps=6"),
+        "data_cache/build.lock is a directory, where the run writes a file",
+        _run_with_ckpt(lambda c: (c.parents[1] / "data_cache" / "build.lock").mkdir(parents=True)),
+    ),
+    Case(
+        "cache-record-a-directory",
+        "train",
+        _train("logging.run_dir=WS/cases/cache-record-a-directory/run", "train.steps=6"),
+        "data_cache/datasets.json is a directory, where the run writes a file",
+        _run_with_ckpt(lambda c: (c.parents[1] / "data_cache" / "datasets.json").mkdir(parents=True)),
+    ),
     Case(
         "resume-another-run-over-saved-run",
         "train",
