@@ -26,7 +26,7 @@ import pytest
 
 from megatron_train import data_cache
 from megatron_train.token_writer import TokenWriter
-from tests.conftest import ROOT, load_tool, write_config
+from tests.conftest import ROOT, load_tool, run_tool, write_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -220,6 +220,19 @@ def _set_idx_entry(array: str, index: int, value: int) -> Callable[[Path], None]
         np.memmap(idx, dtype, "r+", offset=offset, shape=(count,))[index] = value
 
     return damage
+
+
+def _imported_with_same_size_config(text: str) -> Callable[[Path, str], None]:
+    """The workspace's Hugging Face model imported, its copy of config.json then replaced by
+    ``text`` padded to the same size (its completion record checks sizes)."""
+
+    def setup(ws: Path, case_id: str) -> None:
+        out = _case(ws, case_id) / "ckpt"
+        run_tool("tools/convert_checkpoint.py", "import-hf", "--hf", str(ws / "hf"), "--out", str(out))
+        config = out / "iter_0000000" / "hf" / "config.json"
+        config.write_text(text.ljust(config.stat().st_size))
+
+    return setup
 
 
 def _small_data(docs: int, tokens: int, token_id: int = 5) -> Callable[[Path, str], None]:
@@ -1948,6 +1961,20 @@ CASES = [
         _args("export-hf", "--ckpt", "WS/cases/export-hf-common-garbage/ckpt", "--out", "WS/cases/o"),
         "common.pt",
         _copy_ckpt(_same_size_garbage("common.pt")),
+    ),
+    # a JSONDecodeError traceback: the imported model's config.json is read back as it was written
+    Case(
+        "export-hf-imported-config-json-damaged",
+        "convert",
+        _args(
+            "export-hf",
+            "--ckpt",
+            "WS/cases/export-hf-imported-config-json-damaged/ckpt",
+            "--out",
+            "WS/cases/o",
+        ),
+        "hf/config.json is unreadable (Expecting value: line 1 column 1 (char 0)): the checkpoint was",
+        _imported_with_same_size_config("not json"),
     ),
     # generate
     Case(

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from megatron_train import json_text
 from megatron_train.checkpoint import files
 from megatron_train.checkpoint.state import (
     Layout,
@@ -247,7 +248,16 @@ def _hf_side(
     if side.is_dir():
         for f in sorted(side.iterdir()):
             shutil.copy2(f, out / f.name)
-        hf = json.loads((side / "config.json").read_text())
+        try:
+            hf = json_text.loads((side / "config.json").read_text())
+        except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError among them
+            hf = err
+        if not isinstance(hf, dict):
+            why = reason(hf) if isinstance(hf, Exception) else "not a JSON object"
+            raise ConversionError(
+                f"{side / 'config.json'} is unreadable ({why}): the checkpoint was changed since it was "
+                "imported; import the model again"
+            )
         return dtype or hf_dtype(hf) or torch.float32
     model = from_dict(ModelConfig, common["config"]["model"])
     dtype = dtype or torch.bfloat16
