@@ -1206,6 +1206,15 @@ CASES = [
         "iter_0000004 was complete when it was saved",
         _run_with_ckpt(lambda c: (c / "common.pt").unlink()),
     ),
+    # a same-size damaged .distcp passes the size check; its pickled objects were an
+    # UnsafeCheckpointError traceback
+    Case(
+        "resume-distcp-garbage",
+        "train",
+        _train("logging.run_dir=WS/cases/resume-distcp-garbage/run", "train.steps=6"),
+        "holds an object that does not unpickle (the weights-only unpickler refused it",
+        _run_with_ckpt(_same_size_garbage("__0_0.distcp")),
+    ),
     # it trained, then failed its first save (exit 1) with the run's files changed
     Case(
         "resume-tracker-a-directory",

@@ -10,6 +10,7 @@ unchanged (otherwise the ranks' streams have no counterpart).
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 from collections.abc import Collection
@@ -26,6 +27,7 @@ from megatron.core.dist_checkpointing.serialization import (
     verify_checkpoint_and_load_strategy,
 )
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError
@@ -280,10 +282,27 @@ def read_sharded(sharded_state: dict, path: Path, partial: bool = False, paralle
     if parallel:
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), group)
-    with safe_unpickling():
-        return dist_checkpointing.load(
-            sharded_state, str(path), strategy, validate_access_integrity=not partial
-        )
+    try:
+        with safe_unpickling():
+            return dist_checkpointing.load(
+                sharded_state, str(path), strategy, validate_access_integrity=not partial
+            )
+    except pickle.UnpicklingError as err:  # this rank read it (alone in the job, or DCP's coordinator)
+        raise _undecodable(path, err) from err
+    except CheckpointException as err:  # DCP gathered every rank's failures
+        causes = [failure[0] for failure in err.failures.values()]
+        if causes and all(isinstance(cause, pickle.UnpicklingError) for cause in causes):
+            raise _undecodable(path, causes[0]) from err
+        raise
+
+
+def _undecodable(path: Path, err: BaseException) -> CheckpointError:
+    """A damaged ``.distcp`` file, whose objects (optimizer steps, RNG states, progress) are
+    pickles: its size was right, so the completion record took it as whole."""
+    return CheckpointError(
+        f"{path} holds an object that does not unpickle ({reason(err)}): a file is corrupt; use another "
+        "checkpoint (tools/inspect_checkpoint.py --verify-checksums names the file)"
+    )
 
 
 def _unwrap(chunk):
