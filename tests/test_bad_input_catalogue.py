@@ -728,6 +728,20 @@ CASES = [
         _args("--input", "WS/corpus/stdlib", "--output-prefix", "/dev/null"),
         "/dev/null is a device, pipe or socket",
     ),
+    # megatron-core's builder copied the damaged entry into the merged dataset: exit 0
+    Case(
+        "merge-input-with-a-damaged-entry",
+        "merge",
+        _args(
+            "--input",
+            "WS/corpus/stdlib",
+            "WS/cases/merge-input-with-a-damaged-entry/data",
+            "--output-prefix",
+            "WS/cases/m",
+        ),  # fmt: skip
+        "merge-input-with-a-damaged-entry/data.idx is damaged: sequence 10 has length -5",
+        _copy_data(_set_idx_entry("lengths", 10, -5)),
+    ),
     Case(
         "merge-input-names-the-idx",
         "merge",

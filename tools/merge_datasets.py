@@ -4,11 +4,11 @@
     python tools/merge_datasets.py --input data/a data/b --output-prefix data/ab
 
 ``--input`` takes dataset prefixes and folders (every dataset in a folder, in sorted order, as
-``tools/preprocess_data.py --output-dir`` writes them). Every dataset is checked first, and all
-must hold the same token type. Documents keep their order and boundaries, so the result is what
-tokenizing the inputs into one dataset gives. It is written with megatron-core's
-IndexedDatasetBuilder under temporary names and renamed once complete (the .idx last). Exit
-codes: 0 done, 2 bad input.
+``tools/preprocess_data.py --output-dir`` writes them). Every dataset is checked first (its
+.idx header and every entry), and all must hold the same token type. Documents keep their order
+and boundaries, so the result is what tokenizing the inputs into one dataset gives. It is
+written with megatron-core's IndexedDatasetBuilder under temporary names and renamed once
+complete (the .idx last). Exit codes: 0 done, 2 bad input.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ def merge(args: argparse.Namespace) -> None:
 
     out = output_prefix("--output-prefix", args.output_prefix, (".bin", ".idx"))
     prefixes = dataset_prefixes(args.input)
-    dtypes = {prefix: check_indexed_dataset(prefix, key="--input") for prefix in prefixes}
+    # Every entry too: megatron-core's builder copies them unchecked, so a damaged input would
+    # make a damaged output (the merge reads them all anyway).
+    dtypes = {prefix: check_indexed_dataset(prefix, key="--input", entries=True) for prefix in prefixes}
     if len(set(dtypes.values())) > 1:
         found = ", ".join(f"{p}: {d}" for p, d in dtypes.items())
         raise ConfigError(
