@@ -194,6 +194,19 @@ def _same_size_garbage(name: str) -> Callable[[Path], None]:
     return damage
 
 
+def _common_changed_in_place(ckpt: Path) -> None:
+    """common.pt without one field of the schedule's state, its recorded size updated but not its
+    checksum: a file changed in place, as a flipped bit leaves it (the size check passes)."""
+    import torch
+
+    common = torch.load(ckpt / "common.pt", weights_only=True)
+    del common["scheduler"]["end_wd"]
+    torch.save(common, ckpt / "common.pt")
+    record = json.loads((ckpt / "complete.json").read_text())
+    record["files"]["common.pt"]["size"] = (ckpt / "common.pt").stat().st_size
+    (ckpt / "complete.json").write_text(json.dumps(record))
+
+
 def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
     def setup(ws: Path, case_id: str) -> None:
         d = _case(ws, case_id)
@@ -1228,6 +1241,14 @@ CASES = [
         _train("logging.run_dir=WS/cases/resume-distcp-garbage/run", "train.steps=6"),
         "holds an object that does not unpickle (the weights-only unpickler refused it",
         _run_with_ckpt(_same_size_garbage("__0_0.distcp")),
+    ),
+    # a KeyError traceback from the schedule's state
+    Case(
+        "resume-common-changed-in-place",
+        "train",
+        _train("logging.run_dir=WS/cases/resume-common-changed-in-place/run", "train.steps=6"),
+        "iter_0000004/common.pt fails its SHA-256 check: the checkpoint is corrupt",
+        _run_with_ckpt(_common_changed_in_place),
     ),
     # it trained, then failed its first save (exit 1) with the run's files changed
     Case(

@@ -154,6 +154,29 @@ def verify(ckpt_dir: Path, checksums: bool = False) -> dict:
     return record
 
 
+SMALL_FILES = (".metadata", "common.pt", "metadata.json")
+"""The files whose every byte the load reads as structure (DCP's index of the tensors, our common
+state, megatron's format record): small, so hashing them on a failed load costs nothing."""
+
+
+def changed_in_place(ckpt_dir: Path) -> CheckpointError | None:
+    """The error for the first of :data:`SMALL_FILES` whose SHA-256 differs from its recorded one:
+    changed in place (its size right, so :func:`verify` took it as whole), which explains any
+    failure of the load after it. None when they match, or the record holds no checksums."""
+    try:
+        entries = read_record(ckpt_dir)["files"]
+        for name in SMALL_FILES:
+            recorded = entries.get(name, {}).get("sha256")
+            if recorded is not None and sha256_of(Path(ckpt_dir) / name) != recorded:
+                return CheckpointError(
+                    f"{Path(ckpt_dir) / name} fails its SHA-256 check: the checkpoint is corrupt; use "
+                    "another checkpoint"
+                )
+    except (CheckpointError, OSError):
+        pass
+    return None
+
+
 def check_checksums_recorded(ckpt_dir: Path, record: dict) -> None:
     """ChecksumsAbsent unless ``record`` holds a checksum for every file (nothing is read)."""
     if any("sha256" not in entry for entry in record["files"].values()):

@@ -425,6 +425,16 @@ class Checkpointer:
 
     def load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
+        try:
+            return self._load(path, model, optimizer, scheduler)
+        except (Exception, CheckpointException) as err:
+            # A small file changed in place fails the load anywhere (a KeyError in the schedule's
+            # state, a tensor "the model has no place for"); its checksum tells.
+            if (damaged := files.changed_in_place(path)) is not None:
+                raise damaged from err
+            raise
+
+    def _load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         common, current = read_common(path), to_dict(self.cfg)
         if self.options.finetune or common.get("weights_only"):
             load_weights(path, model, weight_setting_changes(common["config"], current))

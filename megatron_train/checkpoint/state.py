@@ -30,7 +30,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_train import __version__, megatron_compat
-from megatron_train.checkpoint.files import CheckpointError
+from megatron_train.checkpoint.files import CheckpointError, changed_in_place
 from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.config import WEIGHT_SHAPING_KEYS, ExperimentConfig, to_dict
 from megatron_train.errors import ConfigError, reason
@@ -287,10 +287,10 @@ def read_sharded(sharded_state: dict, path: Path, partial: bool = False, paralle
             return dist_checkpointing.load(
                 sharded_state, str(path), strategy, validate_access_integrity=not partial
             )
-    except pickle.UnpicklingError as err:  # this rank read it (alone in the job, or DCP's coordinator)
-        raise _undecodable(path, err) from err
-    except CheckpointException as err:  # DCP gathered every rank's failures
-        causes = [failure[0] for failure in err.failures.values()]
+    except (Exception, CheckpointException) as err:  # DCP's gathers every rank's failures
+        if (damaged := changed_in_place(Path(path))) is not None:
+            raise damaged from err
+        causes = [f[0] for f in err.failures.values()] if isinstance(err, CheckpointException) else [err]
         if causes and all(isinstance(cause, pickle.UnpicklingError) for cause in causes):
             raise _undecodable(path, causes[0]) from err
         raise
