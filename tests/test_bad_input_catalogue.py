@@ -207,6 +207,20 @@ def _common_changed_in_place(ckpt: Path) -> None:
     (ckpt / "complete.json").write_text(json.dumps(record))
 
 
+def _metadata_key_changed_in_place(ckpt: Path) -> None:
+    """DCP's .metadata with one tensor's name mangled, its recorded size updated but not its
+    checksum: a file changed in place, as a flipped bit leaves it."""
+    import pickle
+
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    tensors = metadata.state_dict_metadata
+    tensors["decoder.final_layernorm.weighs"] = tensors.pop("decoder.final_layernorm.weight")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    record = json.loads((ckpt / "complete.json").read_text())
+    record["files"][".metadata"]["size"] = (ckpt / ".metadata").stat().st_size
+    (ckpt / "complete.json").write_text(json.dumps(record))
+
+
 def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
     def setup(ws: Path, case_id: str) -> None:
         d = _case(ws, case_id)
@@ -541,6 +555,14 @@ CASES = [
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--prompt", "def", "--prompt", "class"),
         "argument --prompt: given twice ('def', then 'class')",
+    ),
+    # it named a tensor the model has no place for, as if the architecture were another one
+    Case(
+        "generate-metadata-changed-in-place",
+        "generate",
+        _args("--ckpt", "WS/cases/generate-metadata-changed-in-place/ckpt", "--prompt", "def"),
+        "iter_0000004/.metadata fails its SHA-256 check: the checkpoint is corrupt",
+        _copy_ckpt(_metadata_key_changed_in_place),
     ),
     # An empty path (a shell variable not set) was the current folder, named '.' in what followed.
     Case(

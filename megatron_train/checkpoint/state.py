@@ -453,5 +453,11 @@ def load_weights(path: Path, model: list, changes: list[str]) -> None:
     """Load only the model weights of checkpoint ``path`` (written at any layout) into the chunks;
     ``changes`` (:func:`weight_setting_changes`) are named if they do not fit."""
     request = weights_state(model)
-    check_architecture(request, read_tensor_metadata(path), changes)
+    try:
+        check_architecture(request, read_tensor_metadata(path), changes)
+    except (CheckpointError, ConfigError) as err:
+        # A mangled tensor name in a .metadata changed in place reads as another architecture.
+        if (damaged := changed_in_place(Path(path))) is not None:
+            raise damaged from err
+        raise
     load_model(model, read_sharded(request, path))
