@@ -194,6 +194,13 @@ def _same_size_garbage(name: str) -> Callable[[Path], None]:
     return damage
 
 
+def _record_size_only(ckpt: Path, name: str) -> None:
+    """Record file ``name``'s new size in the completion record, leaving its old checksum."""
+    record = json.loads((ckpt / "complete.json").read_text())
+    record["files"][name]["size"] = (ckpt / name).stat().st_size
+    (ckpt / "complete.json").write_text(json.dumps(record))
+
+
 def _common_changed_in_place(ckpt: Path) -> None:
     """common.pt without one field of the schedule's state, its recorded size updated but not its
     checksum: a file changed in place, as a flipped bit leaves it (the size check passes)."""
@@ -202,9 +209,7 @@ def _common_changed_in_place(ckpt: Path) -> None:
     common = torch.load(ckpt / "common.pt", weights_only=True)
     del common["scheduler"]["end_wd"]
     torch.save(common, ckpt / "common.pt")
-    record = json.loads((ckpt / "complete.json").read_text())
-    record["files"]["common.pt"]["size"] = (ckpt / "common.pt").stat().st_size
-    (ckpt / "complete.json").write_text(json.dumps(record))
+    _record_size_only(ckpt, "common.pt")
 
 
 def _metadata_key_changed_in_place(ckpt: Path) -> None:
@@ -216,9 +221,7 @@ def _metadata_key_changed_in_place(ckpt: Path) -> None:
     tensors = metadata.state_dict_metadata
     tensors["decoder.final_layernorm.weighs"] = tensors.pop("decoder.final_layernorm.weight")
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
-    record = json.loads((ckpt / "complete.json").read_text())
-    record["files"][".metadata"]["size"] = (ckpt / ".metadata").stat().st_size
-    (ckpt / "complete.json").write_text(json.dumps(record))
+    _record_size_only(ckpt, ".metadata")
 
 
 def _copy_data(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
