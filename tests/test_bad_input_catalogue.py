@@ -1776,6 +1776,20 @@ CASES = [
         "import-hf-tokenizer-json-cut-short/hf do not load in transformers (Expecting property name",
         _hf_copy(lambda hf: (hf / "tokenizer.json").write_text('{"version": "1.0", "model": {')),
     ),
+    # an OSError traceback (File name too long) from the check that the shards exist
+    Case(
+        "import-hf-index-names-a-shard-too-long",
+        "convert",
+        _args(
+            "import-hf", "--hf", "WS/cases/import-hf-index-names-a-shard-too-long/hf", "--out", "WS/cases/o"
+        ),
+        "lacks shard file(s) xxxxx",
+        _hf_copy(
+            lambda hf: (hf / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"model.embed_tokens.weight": "x" * 300}})
+            )
+        ),
+    ),
     # transformers builds the class of model_type, not of architectures: this one is GPT-2 to it
     Case(
         "import-hf-model-type-of-another-model",

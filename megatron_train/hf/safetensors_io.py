@@ -48,6 +48,14 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False for a name too long for the file system (no file has it)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 _NUMBERED = re.compile(r"^(.*\.(?:layers|experts))\.(\d+)\.")
 """A tensor of a numbered layer or expert: ``model.layers.<i>.``, ``....experts.<j>.`` in every
 family's naming; the prefix names one layer's experts apart from another's."""
@@ -86,7 +94,7 @@ class HFWeights:
                 )
             with _open_shard(shards[0]) as f:
                 weight_map = {name: shards[0].name for name in f.keys()}
-        missing = sorted({s for s in weight_map.values() if not (self.dir / s).is_file()})
+        missing = sorted({s for s in weight_map.values() if not _is_file(self.dir / s)})
         if missing:
             raise ConversionError(
                 f"{self.dir} lacks shard file(s) {', '.join(missing)} named in {INDEX}; download them again"
