@@ -187,7 +187,7 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
         try:
             return main(*args, **kwargs)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:
             if (line := unusable_path(err)) is None:
                 raise
             report_once(line)

@@ -85,11 +85,17 @@ def reason(err: BaseException) -> str:
     return " ".join(str(err).split())[:300] or type(err).__name__
 
 
+_PATHLIB_LOOP = "Symlink loop from "
+
+
 def unusable_path(err: BaseException) -> str | None:
     """The error line (without ``error:``) for ``err`` when the file system refused a path for its
     form: longer than it allows (a name over 255 bytes, a path over 4096), or through a loop of
     symbolic links. Such a path can only have come from the input, wherever it was first used.
     None for any other error."""
+    if isinstance(err, RuntimeError) and str(err).startswith(_PATHLIB_LOOP):
+        # Path.resolve() before Python 3.13 reports a loop of links as this RuntimeError.
+        err = OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(err).removeprefix(_PATHLIB_LOOP)[1:-1])
     if not (isinstance(err, OSError) and err.errno in (errno.ENAMETOOLONG, errno.ELOOP)):
         return None
     path = _clipped(os.fsdecode(err.filename)) if err.filename is not None else None

@@ -780,6 +780,14 @@ CASES = [
         "merge-input-with-a-damaged-entry/data.idx is damaged: sequence 10 has length -5",
         _copy_data(_set_idx_entry("lengths", 10, -5)),
     ),
+    # Path.resolve() before Python 3.13 raised RuntimeError for the loop: a traceback
+    Case(
+        "merge-input-a-loop-of-links",
+        "merge",
+        _args("--input", "WS/cases/merge-input-a-loop-of-links/data", "--output-prefix", "WS/cases/m"),
+        "goes through a loop of symbolic links",
+        _link("data", "data"),
+    ),
     Case(
         "merge-input-names-the-idx",
         "merge",
