@@ -12,6 +12,7 @@ import glob
 import gzip
 import io
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,26 @@ def _kind(path: Path) -> str | None:
 
 
 def _files_under(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and _kind(p))
+    """The corpus files below ``directory`` (links to folders not followed). A folder or file it
+    cannot look into is an error: ``Path.rglob`` passes over it without a word, and the dataset
+    would lack its documents."""
+
+    def refuse(err: OSError) -> None:
+        raise ConfigError(
+            "--input",
+            f"{err.filename} below {directory} could not be read ({err.strerror})",
+            "make it readable to this user, or name the files and folders to take",
+        ) from err
+
+    found = []
+    for folder, _, names in os.walk(directory, onerror=refuse):
+        for path in (Path(folder, name) for name in names if _kind(Path(name))):
+            try:
+                if path.is_file():
+                    found.append(path)
+            except OSError as err:
+                refuse(err)
+    return sorted(found)
 
 
 def input_files(specs: list[str]) -> list[Path]:
