@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, ParamSpec
 
-from megatron_train.errors import BAD_INPUT, out_of_room, unusable_path
+from megatron_train.errors import BAD_INPUT, denied, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
@@ -177,8 +177,9 @@ P = ParamSpec("P")
 
 def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     """``main``, as every command's: a path the file system refuses for its form (too long, or a
-    loop of symbolic links) is bad input (one line, exit code 2) wherever it is first used, since
-    each of the many places that look at a given path would otherwise end in a traceback; and an
+    loop of symbolic links) or to this user (permissions, a read-only mount) is bad input (one
+    line, exit code 2) wherever it is first used, since each of the many places that look at a
+    given path would otherwise end in a traceback; and an
     interrupt (Ctrl-C) that reaches Python as KeyboardInterrupt ends it with one line from the first
     rank and exit code 130, as a shell reports it, after the outputs being written were removed on
     the way out."""
@@ -187,15 +188,15 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
         try:
             return main(*args, **kwargs)
-        except (OSError, RuntimeError) as err:
-            if (line := unusable_path(err)) is None:
-                raise
-            report_once(line)
-            return EXIT_BAD_INPUT
         except KeyboardInterrupt:
             if first_rank():
                 report("interrupted before it finished; nothing half-written was kept. Fix: run it again")
             return EXIT_INTERRUPTED
+        except BaseException as err:  # torch's CheckpointException is a BaseException
+            if (line := unusable_path(err) or denied(err)) is None:
+                raise
+            report_once(line)
+            return EXIT_BAD_INPUT
 
     return checked
 

@@ -76,8 +76,41 @@ def out_of_room(err: BaseException) -> str | None:
         return f"numpy wrote its file short, as on a full disk: {reason(err)}"
     if isinstance(err, RuntimeError) and ("PytorchStreamWriter failed" in text or "unexpected pos" in text):
         return f"torch.save wrote its file short, as on a full disk: {reason(err)}"
+    return next((found for exc in _inner(err) if (found := out_of_room(exc))), None)
+
+
+def _inner(err: BaseException) -> list[BaseException]:
+    """The errors ``err`` stands for: PyTorch's distributed checkpoint gathers the ranks' errors in
+    ``failures``, and writer processes chain theirs as the cause."""
     inner = [exc for exc, _ in getattr(err, "failures", {}).values()] + [err.__cause__]
-    return next((found for exc in inner if exc is not None and (found := out_of_room(exc))), None)
+    return [exc for exc in inner if exc is not None]
+
+
+_REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def denied(err: BaseException) -> str | None:
+    """The error line (without ``error:``) for ``err`` when the file system refused this user a
+    path: its permissions or owner, or a file system mounted read-only. Not damage: the files are
+    whole, and another user (or the same one after a chmod) can use them. None for any other error."""
+    # Without a file name, the same codes come from sockets, signals and process groups.
+    if isinstance(err, OSError) and err.filename is not None and err.errno in _REFUSED:
+        path = repr(_clipped(os.fsdecode(err.filename)))
+        if err.errno == errno.EROFS:
+            return f"{path} is on a read-only file system. Fix: write elsewhere or have it mounted read-write"
+        return (
+            f"{path} may not be used by this user ({err.strerror}). Fix: give this user access to it "
+            "(chmod, chown or the group), run as a user who has it, or name another path"
+        )
+    return next((found for exc in _inner(err) if (found := denied(exc))), None)
+
+
+def check_readable(path: os.PathLike) -> None:
+    """The file system's PermissionError for a file this user may not read, raised before a
+    library reads it and reports that as something else (sentencepiece: "does not load",
+    safetensors: "No such file")."""
+    with open(path, "rb"):
+        pass
 
 
 def reason(err: BaseException) -> str:

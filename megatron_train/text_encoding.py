@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sentencepiece
 
-from megatron_train.errors import ConfigError, reason
+from megatron_train.errors import ConfigError, check_readable, denied, reason
 from megatron_train.sentencepiece_cuts import bpe_cutter
 
 Encode = Callable[[list[str]], list[list[int]]]
@@ -104,9 +104,13 @@ def tokenizer_loading(kind: str, path: str, key: str, type_key: str) -> Iterator
             f"{path} is neither a file nor a folder (a device, pipe or socket)",
             "point it at the tokenizer's model file or folder",
         )
+    if Path(path).is_file():
+        check_readable(path)
     try:
         yield
     except Exception as err:  # sentencepiece, transformers and megatron raise many kinds
+        if denied(err):  # a file of the folder: the entry point names it, with the fix
+            raise
         raise ConfigError(
             key,
             f"{path} does not load as a {kind} tokenizer ({reason(err)})",

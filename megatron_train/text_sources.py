@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from megatron_train import json_text
-from megatron_train.errors import ConfigError, reason
+from megatron_train.errors import ConfigError, denied, reason
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet", ".txt")
 _PARQUET_ROWS_PER_BATCH = 1024
@@ -222,6 +222,8 @@ def read_texts(path: Path, key: str = "text") -> Iterator[str]:
         else:
             yield from _json_lines(path, key)
     except (OSError, UnicodeDecodeError, EOFError, zstandard.ZstdError, pyarrow.ArrowException) as err:
+        if denied(err):
+            raise
         raise ConfigError(
             "--input", f"{path} could not be read ({reason(err)})", "fix or replace the file"
         ) from err

@@ -22,7 +22,7 @@ import yaml
 
 from megatron_train import json_text
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError, ConfigError, not_a_file, shown
+from megatron_train.errors import CheckpointError, ConfigError, denied, not_a_file, shown
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
@@ -109,6 +109,8 @@ def read_record(ckpt_dir: Path) -> dict:
     try:
         record = json_text.loads(path.read_text())
     except (OSError, ValueError) as err:
+        if denied(err):  # whole, but not this user's to read: no reason to pass it over
+            raise
         raise CheckpointError(f"{path} is unreadable ({err}): the checkpoint is torn or corrupt") from err
     entries = record.get("files") if isinstance(record, dict) else None
     if not isinstance(entries, dict) or not all(
@@ -136,6 +138,8 @@ def verify(ckpt_dir: Path, checksums: bool = False) -> dict:
         try:
             size = path.stat().st_size if path.is_file() else None
         except (OSError, ValueError) as err:  # a name too long, or with a NUL: no save wrote it
+            if denied(err):
+                raise
             why = err.strerror if isinstance(err, OSError) else err
             raise CheckpointError(
                 f"{ckpt_dir}: {RECORD} lists a file no file system holds ({shown(name)}: {why}): the "

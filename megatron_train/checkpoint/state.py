@@ -10,10 +10,11 @@ unchanged (otherwise the ranks' streams have no counterpart).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError, changed_in_place
 from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.config import WEIGHT_SHAPING_KEYS, ExperimentConfig, to_dict
-from megatron_train.errors import ConfigError, reason
+from megatron_train.errors import ConfigError, denied, reason
 
 # What checkpoints written before the format was recorded hold.
 _FORMAT_BEFORE_RECORDING = "fully_reshardable"
@@ -229,25 +230,29 @@ def check_within_steps(path: Path, iteration: int, steps: int) -> None:
         )
 
 
-def _corrupt(what: Path, err: BaseException) -> CheckpointError:
-    return CheckpointError(
-        f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt; use another checkpoint"
-    )
+@contextlib.contextmanager
+def _reading(what: Path) -> Iterator[None]:
+    """Any error reading ``what`` as CheckpointError calling the checkpoint corrupt (the readers
+    raise many kinds on a damaged file), except a file this user may not read: that one is whole,
+    and the entry point names it with the fix."""
+    try:
+        yield
+    except Exception as err:
+        if denied(err):
+            raise
+        raise CheckpointError(
+            f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt; use another checkpoint"
+        ) from err
 
 
 def read_common(path: Path) -> dict:
     """A checkpoint's common state (progress, layout, config, scheduler, version), loaded safely;
     CheckpointError naming the file when it cannot be read or lacks what every checkpoint holds."""
     # load_common_state_dict's two reads, apart, so that the error names the file that failed.
-    try:
+    with _reading(Path(path) / "metadata.json"):  # read by json and checked by megatron
         _, common_strategy = verify_checkpoint_and_load_strategy(str(path))
-    except Exception as err:  # megatron's metadata.json, read by json and checked by megatron
-        raise _corrupt(Path(path) / "metadata.json", err) from err
-    try:
-        with safe_unpickling():
-            common = common_strategy.load_common(str(path))
-    except Exception as err:  # torch.load and megatron raise many kinds on a damaged file
-        raise _corrupt(Path(path) / "common.pt", err) from err
+    with _reading(Path(path) / "common.pt"), safe_unpickling():
+        common = common_strategy.load_common(str(path))
     config = common.get("config") if isinstance(common, dict) else None
     if not (
         isinstance(config, dict)
@@ -264,11 +269,8 @@ def read_common(path: Path) -> dict:
 
 def read_tensor_metadata(path: Path) -> dict[str, ShardedTensor]:
     """Every saved tensor's key, global shape and dtype (no data read), loaded safely."""
-    try:
-        with safe_unpickling():
-            return dist_checkpointing.load_tensors_metadata(str(path))
-    except Exception as err:  # torch's reader raises many kinds on a damaged file
-        raise _corrupt(Path(path) / ".metadata", err) from err
+    with _reading(Path(path) / ".metadata"), safe_unpickling():
+        return dist_checkpointing.load_tensors_metadata(str(path))
 
 
 def read_sharded(sharded_state: dict, path: Path, partial: bool = False, parallel: bool = False) -> dict:

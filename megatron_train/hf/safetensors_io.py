@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_train import json_text
-from megatron_train.errors import ConversionError, reason
+from megatron_train.errors import ConversionError, check_readable, denied, reason
 from megatron_train.hf.model_dir import missing_weights
 
 INDEX = "model.safetensors.index.json"
@@ -26,6 +26,7 @@ DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def _open_shard(path: Path):
+    check_readable(path)
     try:
         return safe_open(path, "pt")
     except Exception as err:  # safetensors raises its own error type, or OSError
@@ -38,6 +39,8 @@ def _read_index(path: Path) -> dict[str, str]:
     try:
         weight_map = json_text.loads(path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as err:
+        if denied(err):
+            raise
         raise ConversionError(
             f"{path} is not a safetensors index with a weight_map ({err}); download the model again"
         ) from err
