@@ -19,6 +19,7 @@ from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 EXIT_INTERRUPTED = 130
+EXIT_READER_GONE = 141  # a shell's 128 + SIGPIPE, as for a command the signal ended
 """128 + SIGINT, the status a shell gives a command Ctrl-C ended."""
 
 
@@ -182,7 +183,7 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     given path would otherwise end in a traceback; and an
     interrupt (Ctrl-C) that reaches Python as KeyboardInterrupt ends it with one line from the first
     rank and exit code 130, as a shell reports it, after the outputs being written were removed on
-    the way out."""
+    the way out; a pipe whose reader went away ends it quietly with 141."""
 
     @functools.wraps(main)
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
@@ -192,6 +193,12 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
             if first_rank():
                 report("interrupted before it finished; nothing half-written was kept. Fix: run it again")
             return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            # The reader of the output went away (``inspect_checkpoint.py ... | head``): nothing
+            # to report, and no one to report it to. stdout goes to /dev/null so that Python's
+            # flush at exit does not fail the same way.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_READER_GONE
         except BaseException as err:  # torch's CheckpointException is a BaseException
             if (line := unusable_path(err) or denied(err)) is None:
                 raise

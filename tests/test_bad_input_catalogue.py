@@ -2708,6 +2708,20 @@ def test_each_entry_point_alone_in_its_process_prints_only_the_error_line(ws):
         assert first[entry].says in lines[0], (entry, lines[0])
 
 
+def test_a_command_whose_output_pipe_closes_ends_quietly(ws):
+    """``inspect_checkpoint.py ... | head``: the reader may be gone before the last line."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "tools/inspect_checkpoint.py"), str(ws / CKPT)],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
 def test_readme_lists_exit_codes_per_entry_point():
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Exit codes") :]
