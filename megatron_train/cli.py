@@ -93,6 +93,18 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         self.given = {}
         self.argv = list(sys.argv[1:] if args is None else args)
+        for arg in self.argv:
+            # Bytes that are not UTF-8 (a Latin-1 terminal, a file name from another system) reach
+            # Python as lone surrogates, which the tokenizers, safetensors and SentencePiece's
+            # paths cannot take: each failed its own way, mostly with a traceback.
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:
+                report_once(
+                    f"the argument {arg!r} is not UTF-8 text. Fix: give it in UTF-8 (set the terminal "
+                    "to UTF-8, or rename the file to a UTF-8 name)"
+                )
+                sys.exit(EXIT_BAD_INPUT)
         return super().parse_known_args(args, namespace)
 
     def _unknown_options(self) -> list[str]:
@@ -152,18 +164,6 @@ def path(text: str) -> Path:
     """A path argument. An empty one (``--out $DIR`` with the variable unset) was the current
     folder, and the error or output that followed named '.', not the argument."""
     return Path(non_empty(text))
-
-
-def text(value: str) -> str:
-    """An argument that is text: bytes that are not UTF-8 reach Python as lone surrogates
-    (``os.fsdecode``), which tokenizers cannot take."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is not UTF-8 text (is the terminal set to UTF-8?)"
-        ) from None
-    return value
 
 
 def no_room(err: BaseException, what: str, fix: str) -> str | None:

@@ -988,6 +988,14 @@ CASES = [
         _copy_config,
     ),
     # no shell reads a YAML config: '~/runs' would make a folder named '~' in the working directory
+    # It trained, but what names it is refused by the tools that would read the run (export-hf's
+    # tokenizer files, SentencePiece)
+    Case(
+        "run-dir-not-utf8",
+        "train",
+        _train("logging.run_dir=WS/cases/run-dir-not-utf8/r\udce9"),
+        "'logging.run_dir=",
+    ),
     Case(
         "run-dir-through-a-loop-of-links",
         "train",
@@ -2351,6 +2359,21 @@ CASES = [
         ),
         "in.jsonl:2: field 'text' holds a lone surrogate",
         _write("in.jsonl", '{"text": "ok"}\n{"text": "\\udc00 alone"}\n'),
+    ),
+    # SentencePiece's path cannot hold it: a UnicodeEncodeError traceback
+    Case(
+        "preprocess-tokenizer-path-not-utf8",
+        "preprocess",
+        _args(
+            "--input",
+            "WS/corpus/stdlib.jsonl",
+            "--output-prefix",
+            "WS/cases/p/out",
+            "--tokenizer",
+            "WS/cases/preprocess-tokenizer-path-not-utf8/\udcffspm.model",
+        ),
+        "/\\udcffspm.model' is not UTF-8 text",
+        lambda ws, case_id: _write("\udcffspm.model", (ws / "corpus/spm.model").read_bytes())(ws, case_id),
     ),
     Case(
         "preprocess-no-text-key",

@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ckpt", type=cli.path, required=True, help="checkpoint (iter_* dir, save dir or run dir)"
     )
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument(
-        "--prompt", default="", type=cli.text, help="text to continue (empty: from the BOS token)"
-    )
+    prompt.add_argument("--prompt", default="", help="text to continue (empty: from the BOS token)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids instead of --prompt")
     parser.add_argument("--max-new-tokens", type=cli.positive_int, default=32)
     parser.add_argument("--top-p", type=cli.probability, help="nucleus sampling threshold (default: greedy)")
