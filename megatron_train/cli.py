@@ -8,6 +8,7 @@ import functools
 import gc
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from megatron_train.errors import BAD_INPUT, denied, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # a shell's 128 + SIGINT, 128 + SIGTERM
 EXIT_READER_GONE = 141  # a shell's 128 + SIGPIPE, as for a command the signal ended
 """128 + SIGINT, the status a shell gives a command Ctrl-C ended."""
 
@@ -183,16 +184,21 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     given path would otherwise end in a traceback; and an
     interrupt (Ctrl-C) that reaches Python as KeyboardInterrupt ends it with one line from the first
     rank and exit code 130, as a shell reports it, after the outputs being written were removed on
-    the way out; a pipe whose reader went away ends it quietly with 141."""
+    the way out (a tool's SIGTERM, :class:`Terminated`, likewise with 143); a pipe whose reader went
+    away ends it quietly with 141."""
 
     @functools.wraps(main)
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
         try:
             return main(*args, **kwargs)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:
+            terminated = isinstance(err, Terminated)
             if first_rank():
-                report("interrupted before it finished; nothing half-written was kept. Fix: run it again")
-            return EXIT_INTERRUPTED
+                report(
+                    f"{'terminated (SIGTERM)' if terminated else 'interrupted'} before it finished; nothing "
+                    "half-written was kept. Fix: run it again"
+                )
+            return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
         except BrokenPipeError:
             # The reader of the output went away (``inspect_checkpoint.py ... | head``): nothing
             # to report, and no one to report it to. stdout goes to /dev/null so that Python's
@@ -208,11 +214,24 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     return checked
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in a tool (Slurm's time limit or preemption, scancel, kill), raised wherever the
+    tool is, as Ctrl-C's KeyboardInterrupt is, so that the same clean-up runs on the way out."""
+
+
+def _terminate(signum: int, frame: object) -> NoReturn:
+    # Slurm signals every process of the job, and may again: the clean-up must not be cut short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
 @entry_point
 def run(body: Callable[[], None]) -> int:
     """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2, an output
-    the file system has no room for one line and exit code 1 (the tools remove what they had
-    written). Any process group ``body`` started is torn down on every path."""
+    the file system has no room for one line and exit code 1, and SIGTERM ends it as Ctrl-C does
+    (the tools remove what they had written). Any process group ``body`` started is torn down on
+    every path."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         body()
     except BAD_INPUT as err:

@@ -232,7 +232,14 @@ def test_preprocessing_starts_without_torch_or_megatron(corpus, tmp_path):
     assert not re.findall(r"\|\s+(torch|megatron\.core)$", loaded, re.MULTILINE)
 
 
-def test_ctrl_c_while_writing_is_one_line_with_code_130_and_leaves_no_file(corpus, tmp_path):
+@pytest.mark.parametrize(
+    "sent, code, said",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_stop_while_writing_is_one_line_with_its_code_and_leaves_no_file(
+    corpus, tmp_path, sent, code, said
+):
     big = tmp_path / "big.jsonl"
     big.write_text(corpus["jsonl"].read_text() * 8)
     out = tmp_path / "out"
@@ -249,11 +256,11 @@ def test_ctrl_c_while_writing_is_one_line_with_code_130_and_leaves_no_file(corpu
     while not (out / "d.bin.tmp").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.002)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sent)
     stdout, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 130, stderr[-2000:]
+    assert proc.returncode == code, stderr[-2000:]
     assert stderr.splitlines() == [
-        "error: interrupted before it finished; nothing half-written was kept. Fix: run it again"
+        f"error: {said} before it finished; nothing half-written was kept. Fix: run it again"
     ]
     assert not list(out.iterdir())
 
