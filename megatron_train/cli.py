@@ -19,9 +19,8 @@ from megatron_train.errors import BAD_INPUT, denied, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # a shell's 128 + SIGINT, 128 + SIGTERM
-EXIT_READER_GONE = 141  # a shell's 128 + SIGPIPE, as for a command the signal ended
-"""128 + SIGINT, the status a shell gives a command Ctrl-C ended."""
+EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_READER_GONE = 130, 143, 141
+"""128 + SIGINT, SIGTERM or SIGPIPE: the status a shell gives a command that signal ended."""
 
 
 def report(err: BaseException | str) -> None:
@@ -181,11 +180,10 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     """``main``, as every command's: a path the file system refuses for its form (too long, or a
     loop of symbolic links) or to this user (permissions, a read-only mount) is bad input (one
     line, exit code 2) wherever it is first used, since each of the many places that look at a
-    given path would otherwise end in a traceback; and an
-    interrupt (Ctrl-C) that reaches Python as KeyboardInterrupt ends it with one line from the first
-    rank and exit code 130, as a shell reports it, after the outputs being written were removed on
-    the way out (a tool's SIGTERM, :class:`Terminated`, likewise with 143); a pipe whose reader went
-    away ends it quietly with 141."""
+    given path would otherwise end in a traceback. An interrupt (Ctrl-C) that reaches Python as
+    KeyboardInterrupt ends it with one line from the first rank and exit code 130, as a shell
+    reports it, after the outputs being written were removed on the way out (a tool's SIGTERM,
+    :class:`Terminated`, likewise with 143); a pipe whose reader went away ends it quietly (141)."""
 
     @functools.wraps(main)
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
