@@ -142,16 +142,40 @@ def building(cache_dir: str | Path, log: Callable[[str], None]) -> Iterator[None
         os.close(fd)
 
 
+# Only megatron's own index files ("<hash>-GPTDataset-train-sample_index.npy"): the cache may be a
+# folder that holds other arrays too.
+_INDEX_FILES = "*Dataset-*_index.npy"
+
+
+def check_no_folders(cache_dir: str | Path) -> None:
+    """Refuse a start whose cache holds a folder under the name of an index file: megatron-core
+    would take it for the file and fail reading it."""
+    folder = next((p for p in sorted(Path(cache_dir).glob(_INDEX_FILES)) if p.is_dir()), None)
+    if folder is not None:
+        raise ConfigError(
+            "data.cache_dir",
+            f"{folder} is a folder under the name of an index file megatron-core keeps there",
+            "remove it, or set data.cache_dir to another folder",
+        )
+
+
 def drop_torn_indices(cache_dir: str) -> list[Path]:
-    """Delete the index files in ``cache_dir`` that are shorter than their header says, and
-    return them. megatron writes its cached indices in place and takes the cache as built when
-    all of a dataset's files exist, so a build cut short (a full disk, a job killed while
-    writing the last file) would fail every later start; without the file it builds them again.
+    """Delete the index files in ``cache_dir`` that are shorter than their header says (or are
+    no files at all: a link to nowhere, a pipe), and return them. megatron writes its cached
+    indices in place and takes the cache as built when all of a dataset's files exist, so a build
+    cut short (a full disk, a job killed while writing the last file) would fail every later
+    start; without the file it builds them again.
     Rank 0 calls this holding :func:`building`, before the build."""
     torn = []
-    # Only megatron's own index files ("<hash>-GPTDataset-train-sample_index.npy"): the cache may
-    # be a folder that holds other arrays too.
-    for path in sorted(Path(cache_dir).glob("*Dataset-*_index.npy")):
+    for path in sorted(Path(cache_dir).glob(_INDEX_FILES)):
+        if path.is_dir():  # refused at the start (check_no_folders)
+            continue
+        if not path.is_file():
+            # A link that leads nowhere, or to a pipe or device (reading a pipe would block the
+            # start for good): no index file, whatever its name says.
+            path.unlink()
+            torn.append(path)
+            continue
         try:
             numpy.load(path, mmap_mode="r")
         except (ValueError, EOFError):

@@ -407,4 +407,5 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     ):
         check_output_file(key, written)
     data_cache.check_unchanged(data_cache_dir(cfg), keys)
+    data_cache.check_no_folders(data_cache_dir(cfg))
     return vocab

@@ -1314,6 +1314,18 @@ CASES = [
         "data_cache/datasets.json is a directory, where the run writes a file",
         _run_with_ckpt(lambda c: (c.parents[1] / "data_cache" / "datasets.json").mkdir(parents=True)),
     ),
+    # megatron-core's cache loader: an IsADirectoryError traceback
+    Case(
+        "cache-index-a-directory",
+        "train",
+        _train("logging.run_dir=WS/cases/cache-index-a-directory/run", "train.steps=6"),
+        "GPTDataset-train-sample_index.npy is a folder under the name of an index file",
+        _run_with_ckpt(
+            lambda c: (c.parents[1] / "data_cache" / "0-GPTDataset-train-sample_index.npy").mkdir(
+                parents=True
+            )
+        ),  # noqa: E501
+    ),
     Case(
         "resume-another-run-over-saved-run",
         "train",

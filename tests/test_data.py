@@ -241,6 +241,17 @@ def test_an_index_file_cut_short_in_the_cache_is_dropped_and_built_again(
     assert drop_torn_indices(str(cache)) == []
 
 
+def test_a_link_to_nowhere_or_a_pipe_under_an_index_file_name_is_dropped_not_read(tmp_path):
+    """Reading a pipe would block the start for good; a link to nowhere failed with a traceback."""
+    os.mkfifo(tmp_path / "0a-GPTDataset-train-shuffle_index.npy")
+    (tmp_path / "0a-GPTDataset-train-sample_index.npy").symlink_to(tmp_path / "gone")
+    assert [p.name for p in drop_torn_indices(str(tmp_path))] == [
+        "0a-GPTDataset-train-sample_index.npy",
+        "0a-GPTDataset-train-shuffle_index.npy",
+    ]
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_run_waits_while_another_builds_indices_in_a_shared_cache(tmp_path, corpus):
     """megatron writes index files in place: a second run would delete them as torn, or rewrite
     them under the first run's readers."""
