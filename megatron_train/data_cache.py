@@ -55,6 +55,10 @@ def identity(prefix: str) -> dict:
 
 
 def _recorded(cache_dir: Path) -> dict:
+    # Not a file (a pipe, a link to a device): reading would block, or never end; the start
+    # refuses it where the run writes its record (inputs.check_inputs).
+    if not (cache_dir / RECORD).is_file():
+        return {}
     try:
         found = json_text.loads((cache_dir / RECORD).read_text())
     except (OSError, ValueError):  # no record yet (or one a crash mangled): nothing to compare

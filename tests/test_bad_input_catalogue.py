@@ -1326,6 +1326,19 @@ CASES = [
             )
         ),  # noqa: E501
     ),
+    # read before that check: the start blocked for good on the pipe
+    Case(
+        "cache-record-a-pipe",
+        "train",
+        _train("logging.run_dir=WS/cases/cache-record-a-pipe/run", "train.steps=6"),
+        "data_cache/datasets.json is not a regular file, where the run writes a file",
+        _run_with_ckpt(
+            lambda c: (
+                (c.parents[1] / "data_cache").mkdir(),
+                os.mkfifo(c.parents[1] / "data_cache/datasets.json"),
+            )
+        ),
+    ),
     Case(
         "resume-another-run-over-saved-run",
         "train",
