@@ -118,46 +118,6 @@ def test_inputs_that_name_nothing_are_refused(tmp_path, spec, problem):
         input_files([str(tmp_path / spec)])
 
 
-def _listed_by_another_user(folder) -> str:
-    """What ``input_files`` says of ``folder`` to a user without root's right to read every file:
-    the files it found, or the error line. As root (CI's containers), a forked child gives that
-    right up first, working from inside ``folder`` since pytest's own folders are root's alone."""
-
-    def listing() -> str:
-        try:
-            return " ".join(str(f) for f in input_files(["."]))
-        except ConfigError as err:
-            return str(err)
-
-    if os.geteuid() != 0:
-        os.chdir(folder)
-        return listing()
-    read, write = os.pipe()
-    if (pid := os.fork()) == 0:
-        os.close(read)
-        os.chdir(folder)
-        os.setgid(65534)
-        os.setuid(65534)
-        os.write(write, listing().encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        said = pipe.read().decode()
-    assert os.waitpid(pid, 0)[1] == 0
-    return said
-
-
-def test_a_folder_below_an_input_directory_that_cannot_be_read_is_refused_not_skipped(shards, monkeypatch):
-    monkeypatch.chdir(shards)  # the non-root path changes directory
-    assert "sub/c.jsonl.zst" in _listed_by_another_user(shards)
-    (shards / "sub").chmod(0)
-    try:
-        said = _listed_by_another_user(shards)
-    finally:
-        (shards / "sub").chmod(0o755)
-    assert "./sub below . could not be read (Permission denied)" in said, said
-
-
 SPECIALS = ["<s>", "</s>", "<unk>", "<pad>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
 
 
