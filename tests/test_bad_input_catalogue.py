@@ -428,6 +428,12 @@ def _preprocess(*args: str) -> Callable[[Path], list[str]]:
     return _args("--input", "WS/corpus/stdlib.jsonl", "--tokenizer", "WS/corpus/spm.model", *args)
 
 
+def _preprocess_with(tokenizer: str) -> Callable[[Path], list[str]]:
+    """Preprocessing the workspace's corpus with the tokenizer at ``tokenizer``."""
+    corpus = ("--input", "WS/corpus/stdlib.jsonl")
+    return _args(*corpus, "--output-prefix", "WS/cases/p/out", "--tokenizer", tokenizer)
+
+
 FRESH = "logging.run_dir=WS/cases/fresh_run"  # a run that must not be created by a failed start
 # A well-formed key, so that the start gets as far as wandb.init, and the discard port.
 WANDB_UNREACHABLE = {
@@ -2389,14 +2395,7 @@ CASES = [
     Case(
         "preprocess-tokenizer-path-not-utf8",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/cases/p/out",
-            "--tokenizer",
-            "WS/cases/preprocess-tokenizer-path-not-utf8/\udcffspm.model",
-        ),
+        _preprocess_with("WS/cases/preprocess-tokenizer-path-not-utf8/\udcffspm.model"),
         "/\\udcffspm.model' is not UTF-8 text",
         lambda ws, case_id: _write("\udcffspm.model", (ws / "corpus/spm.model").read_bytes())(ws, case_id),
     ),
@@ -2409,14 +2408,7 @@ CASES = [
     Case(
         "preprocess-tokenizer-garbage",
         "preprocess",
-        _args(
-            "--input",
-            "WS/corpus/stdlib.jsonl",
-            "--output-prefix",
-            "WS/cases/p/out",
-            "--tokenizer",
-            "WS/cases/preprocess-tokenizer-garbage/t.model",
-        ),
+        _preprocess_with("WS/cases/preprocess-tokenizer-garbage/t.model"),
         "t.model",
         _write("t.model", b"garbage"),
     ),
