@@ -19,8 +19,8 @@ from megatron_train.errors import BAD_INPUT, denied, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
-EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_READER_GONE = 130, 143, 141
-"""128 + SIGINT, SIGTERM or SIGPIPE: the status a shell gives a command that signal ended."""
+EXIT_INTERRUPTED, EXIT_READER_GONE = 130, 141
+"""128 + SIGINT or SIGPIPE: the status a shell gives a command that signal ended."""
 
 
 def report(err: BaseException | str) -> None:
@@ -183,20 +183,19 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     given path would otherwise end in a traceback. An interrupt (Ctrl-C) that reaches Python as
     KeyboardInterrupt ends it with one line from the first rank and exit code 130, as a shell
     reports it, after the outputs being written were removed on the way out (a tool's SIGTERM,
-    :class:`Terminated`, likewise with 143); a pipe whose reader went away ends it quietly (141)."""
+    :class:`Terminated`, likewise, ending by that signal); a pipe whose reader went away ends it
+    quietly (141)."""
 
     @functools.wraps(main)
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
         try:
             return main(*args, **kwargs)
-        except KeyboardInterrupt as err:
-            terminated = isinstance(err, Terminated)
+        except Terminated:
+            _end_by_sigterm()
+        except KeyboardInterrupt:
             if first_rank():
-                report(
-                    f"{'terminated (SIGTERM)' if terminated else 'interrupted'} before it finished; nothing "
-                    "half-written was kept. Fix: run it again"
-                )
-            return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+                report("interrupted before it finished; nothing half-written was kept. Fix: run it again")
+            return EXIT_INTERRUPTED
         except BrokenPipeError:
             # The reader of the output went away (``inspect_checkpoint.py ... | head``): nothing
             # to report, and no one to report it to. stdout goes to /dev/null so that Python's
@@ -221,6 +220,20 @@ def _terminate(signum: int, frame: object) -> NoReturn:
     # Slurm signals every process of the job, and may again: the clean-up must not be cut short.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
+
+
+def _end_by_sigterm() -> NoReturn:
+    """After a tool's clean-up: one line when it runs alone, then the end by SIGTERM itself, as a
+    launcher expects of the ranks it sends SIGTERM to when another one failed (that one has said
+    why; ours would be a second, misleading line)."""
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        report("terminated (SIGTERM) before it finished; nothing half-written was kept. Fix: run it again")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    while True:  # the signal ends the process as soon as it is delivered
+        signal.pause()
 
 
 @entry_point
