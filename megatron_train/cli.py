@@ -242,7 +242,7 @@ def run(body: Callable[[], None]) -> int:
     the file system has no room for one line and exit code 1, and SIGTERM ends it as Ctrl-C does
     (the tools remove what they had written). Any process group ``body`` started is torn down on
     every path."""
-    signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         body()
     except BAD_INPUT as err:
@@ -254,6 +254,9 @@ def run(body: Callable[[], None]) -> int:
         report(line)
         return EXIT_FAILED
     finally:
+        # A process that called this in-process (a test) keeps its own handler; None: one set
+        # outside Python.
+        signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
         # Only the runtime starts process groups; tools that never import it (and torch with it)
         # start in a fraction of the time.
         if runtime := sys.modules.get("megatron_train.runtime"):
