@@ -52,10 +52,13 @@ def _read_index(path: Path) -> dict[str, str]:
 
 
 def _is_file(path: Path) -> bool:
-    """``path.is_file()``, False for a name too long for the file system (no file has it)."""
+    """``path.is_file()``, False for a name too long for the file system (no file has it); a
+    folder this user may not look into is not a missing shard, and the entry point names it."""
     try:
         return path.is_file()
-    except OSError:
+    except OSError as err:
+        if denied(err):
+            raise
         return False
 
 
