@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, ParamSpec
 
-from megatron_train.errors import BAD_INPUT, denied, out_of_room, unusable_path
+from megatron_train.errors import BAD_INPUT, Failure, denied, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
@@ -238,16 +238,19 @@ def _end_by_sigterm() -> NoReturn:
 
 @entry_point
 def run(body: Callable[[], None]) -> int:
-    """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2, an output
-    the file system has no room for one line and exit code 1, and SIGTERM ends it as Ctrl-C does
-    (the tools remove what they had written). Any process group ``body`` started is torn down on
-    every path."""
+    """Run ``body``; a bad-input error becomes one ``error: ...`` line and exit code 2, a
+    :class:`Failure` or an output the file system has no room for one line and exit code 1, and
+    SIGTERM ends it as Ctrl-C does (the tools remove what they had written). Any process group
+    ``body`` started is torn down on every path."""
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         body()
     except BAD_INPUT as err:
         report_once(err)
         return EXIT_BAD_INPUT
+    except Failure as err:
+        report_once(err)
+        return EXIT_FAILED
     except BaseException as err:  # torch's CheckpointException is a BaseException
         if (line := no_room(err, "the output", "free space where it goes or write it elsewhere")) is None:
             raise

@@ -59,6 +59,11 @@ class ConversionError(ValueError):
 BAD_INPUT = (ConfigError, CheckpointError, ConversionError)
 
 
+class Failure(RuntimeError):
+    """A failure that is not the input's (a worker process killed under a tool), said in one line
+    with what to do: exit code 1, without a traceback that would point at the tool's code."""
+
+
 def out_of_room(err: BaseException) -> str | None:
     """The reason of the write in ``err`` that the file system refused for want of room (a full
     disk, a quota, a file-size limit), or None. numpy's ``tofile`` and PyTorch's zip writer

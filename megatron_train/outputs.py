@@ -44,14 +44,24 @@ def dataset_files(prefix: Path) -> Iterator[tuple[Path, Path]]:
     """Temporary ``.bin`` and ``.idx`` paths for the indexed dataset at ``prefix``. When the body
     succeeds they become ``prefix.bin`` and ``prefix.idx``, the ``.idx`` last, so a dataset whose
     ``.idx`` exists is complete; either way no temporary file stays."""
-    tmp_bin, tmp_idx = (prefix.with_name(f"{prefix.name}.{kind}.tmp") for kind in ("bin", "idx"))
+    tmp_bin, tmp_idx = _dataset_tmp_files(prefix)
     try:
         yield tmp_bin, tmp_idx
         os.replace(tmp_bin, prefix.with_name(prefix.name + ".bin"))
         os.replace(tmp_idx, prefix.with_name(prefix.name + ".idx"))
     finally:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_idx.unlink(missing_ok=True)
+        discard_partial_dataset(prefix)
+
+
+def _dataset_tmp_files(prefix: Path) -> tuple[Path, Path]:
+    return prefix.with_name(f"{prefix.name}.bin.tmp"), prefix.with_name(f"{prefix.name}.idx.tmp")
+
+
+def discard_partial_dataset(prefix: Path) -> None:
+    """Remove the temporary files :func:`dataset_files` writes for ``prefix``, as a process that
+    was stopped before its own clean-up left them."""
+    for path in _dataset_tmp_files(prefix):
+        path.unlink(missing_ok=True)
 
 
 def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:

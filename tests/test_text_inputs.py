@@ -226,6 +226,96 @@ def test_a_stop_while_writing_is_one_line_with_its_code_and_leaves_no_file(
     assert not list(out.iterdir())
 
 
+def _start_shards(corpus, src, out) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(src), "--output-dir", str(out),
+         "--tokenizer", str(corpus["tokenizer"]), "--workers", "2"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+
+
+def _writer_of(proc: subprocess.Popen, path) -> int | None:
+    """The worker of ``proc`` that holds ``path`` open, once one does."""
+    for child in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split():
+        try:
+            if any(
+                os.readlink(f"/proc/{child}/fd/{fd}") == str(path) for fd in os.listdir(f"/proc/{child}/fd")
+            ):
+                return int(child)
+        except FileNotFoundError:  # a file closed, or a process gone, while looking
+            continue
+    return None
+
+
+def _wait_for(proc: subprocess.Popen, ready) -> None:
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.002)
+
+
+def _own_processes(proc: subprocess.Popen) -> list[str]:
+    """Processes left in the tool's session after it ended."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) == proc.pid:
+                found.append(pid)
+        except ProcessLookupError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    "sent, group, code",
+    [(signal.SIGTERM, True, -signal.SIGTERM), (signal.SIGTERM, False, -signal.SIGTERM),
+     (signal.SIGINT, True, 130)],
+    # Slurm signals every process of the job; `kill` the one named; a terminal's Ctrl-C the group
+    ids=["sigterm-to-all", "sigterm-to-the-tool", "ctrl-c"],
+)  # fmt: skip
+def test_a_stop_of_sharded_output_ends_the_datasets_being_written_at_once(
+    corpus, tmp_path, sent, group, code
+):
+    """Not after the files the workers were writing, and those queued behind them, were finished:
+    that took as long as they did, past Slurm's grace between SIGTERM and SIGKILL."""
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for name in "abc":
+        (src / f"{name}.jsonl").write_text(corpus["jsonl"].read_text() * 4)
+    proc = _start_shards(corpus, src, out)
+    _wait_for(proc, lambda: all(_writer_of(proc, out / f"{n}.bin.tmp") for n in "ab"))
+    (os.killpg if group else os.kill)(proc.pid, sent)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr[-2000:]
+    assert stderr.splitlines()[-1].endswith(
+        "before it finished; nothing half-written was kept. Fix: run it again"
+    )
+    # The folder this run made, with nothing finished in it, is gone.
+    assert not out.exists(), list(out.iterdir())
+    assert not _own_processes(proc)
+
+
+def test_a_worker_killed_under_sharded_output_is_one_line_and_keeps_the_finished_datasets(corpus, tmp_path):
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    text = corpus["jsonl"].read_text()
+    (src / "a.jsonl").write_text("".join(text.splitlines(keepends=True)[:10]))
+    for name in "bc":
+        (src / f"{name}.jsonl").write_text(text * 4)
+    proc = _start_shards(corpus, src, out)
+    _wait_for(proc, lambda: (out / "a.idx").exists() and _writer_of(proc, out / "b.bin.tmp"))
+    # As the kernel's out-of-memory killer ends a process.
+    os.kill(_writer_of(proc, out / "b.bin.tmp"), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr[-2000:]
+    assert stderr.splitlines()[-1].startswith(
+        "error: a worker process ended abruptly while writing the datasets"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["a.bin", "a.idx"]
+    assert not _own_processes(proc)
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -28,10 +28,12 @@ import argparse
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 
@@ -43,8 +45,15 @@ import numpy as np
 from tqdm import tqdm
 
 from megatron_train import cli
-from megatron_train.errors import ConfigError
-from megatron_train.outputs import check_own_dir, dataset_files, made_dir, name_room, output_prefix
+from megatron_train.errors import ConfigError, Failure
+from megatron_train.outputs import (
+    check_own_dir,
+    dataset_files,
+    discard_partial_dataset,
+    made_dir,
+    name_room,
+    output_prefix,
+)
 from megatron_train.text_encoding import Encode, text_encoder
 from megatron_train.text_sources import SUFFIXES, input_files, read_texts
 from megatron_train.token_writer import TokenWriter, token_dtype
@@ -231,6 +240,14 @@ def _write_shard(path: Path, prefix: Path, job: Job) -> Counts:
     return write_dataset(prefix, read_texts(path, job.text_key), str(path), encode, job)
 
 
+def _as_worker() -> None:
+    # Ctrl-C reaches every process of the terminal's group: the main process alone stops the run.
+    # SIGTERM (Slurm sends it to every process of the job) ends a worker at once, without the
+    # tool's handler it forked with; the main process removes what the worker had begun.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _write_shards(files: list[Path], out: Path, job: Job) -> tuple[Counts, str]:
     prefixes = [out / name for name in shard_names(files)]
     todo = [(f, p) for f, p in zip(files, prefixes, strict=True) if not p.with_name(p.name + ".idx").exists()]
@@ -241,16 +258,30 @@ def _write_shards(files: list[Path], out: Path, job: Job) -> tuple[Counts, str]:
     counts, created = Counts(), not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     # fork: the workers start at once, with everything this process has imported.
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"), initializer=_as_worker)
+    with pool:
         futures = [pool.submit(_write_shard, f, p, shard_job) for f, p in todo]
         try:
             for future in tqdm(futures, unit="file", desc="datasets", file=sys.stderr, disable=None):
                 counts += future.result()
-        except BaseException:
+        except BaseException as err:
+            # Waiting for the files being written (and those queued behind them) would take as long
+            # as they do, past Slurm's grace between SIGTERM and SIGKILL.
+            for worker in multiprocessing.active_children():
+                worker.terminate()
             pool.shutdown(cancel_futures=True)
+            for _, prefix in todo:
+                discard_partial_dataset(prefix)
             # Finished datasets stay for the next run; a folder this run made and left empty goes.
             if created and not any(out.iterdir()):
                 out.rmdir()
+            if isinstance(err, BrokenProcessPool):
+                kept = sum(p.with_name(p.name + ".idx").exists() for _, p in todo)
+                raise Failure(
+                    "a worker process ended abruptly while writing the datasets (killed: the kernel's "
+                    f"out-of-memory killer is the usual one, as `dmesg` shows); the {kept} it finished are "
+                    "kept. Fix: run it again, with fewer --workers if memory ran out"
+                ) from None
             raise
     return counts, f"{len(todo)} dataset(s) in {out}"
 
