@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_train import cli  # noqa: E402
+from megatron_train.config_loading import override_for_option  # noqa: E402
 from megatron_train.errors import NAME_MAX, ConfigError  # noqa: E402
 from megatron_train.outputs import check_output_dir  # noqa: E402
 
@@ -96,7 +97,7 @@ def slurm_seconds(text: str) -> int | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = cli.ArgumentParser(description=__doc__)
+    parser = cli.ArgumentParser(override_for=override_for_option, description=__doc__)
     parser.add_argument("--config", type=cli.non_empty, required=True, help="experiment YAML")
     parser.add_argument("--nodes", type=cli.positive_int, default=1)
     parser.add_argument(

@@ -82,9 +82,12 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a usage mistake reported as one line (not the usage text) and exit code 2,
     and an option given twice refused rather than its last value taken."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, override_for: Callable[[str], str | None] | None = None, **kwargs) -> None:
+        """``override_for``: for a command that takes config overrides, the override an option it
+        does not take stands for (``--train-iters=10`` -> ``train.steps=10``), or None."""
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(**kwargs)
+        self.override_for = override_for
         self.register("action", None, _StoreOnce)
         self.register("action", "store", _StoreOnce)
         self.given: dict[str, object] = {}
@@ -121,7 +124,16 @@ class ArgumentParser(argparse.ArgumentParser):
         unknown = self._unknown_options()
         if message.startswith("the following arguments are required") and unknown:
             message += f" (not an option here: {', '.join(unknown)})"
-        report_once(f"{message}. Fix: see {self.prog} --help")
+        fix = f"see {self.prog} --help"
+        if self.override_for and unknown:
+            # Megatron-LM's and torchtitan's options are flags; ours are key=value overrides.
+            at = next(i for i, arg in enumerate(self.argv) if arg.split("=", 1)[0] == unknown[0])
+            given, after = self.argv[at], self.argv[at + 1 : at + 2]
+            if "=" not in given and after and not after[0].startswith("-") and "=" not in after[0]:
+                given += f"={after[0]}"  # ``--train-iters 10``
+            if override := self.override_for(given):
+                fix = f"give it as a config override after --config, key=value without dashes: {override}"
+        report_once(f"{message}. Fix: {fix}")
         sys.exit(EXIT_BAD_INPUT)
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 
-from megatron_train.config import Check, FilePath, Range
+from megatron_train.config import Check, ExperimentConfig, FilePath, Range
 from megatron_train.errors import ConfigError, shown
 
 _INT64_MAX = 2**63 - 1
@@ -231,6 +231,26 @@ def _unknown_key_hint(cls: type, err: _UnknownKey) -> str:
         return f"did you mean '{elsewhere[0]}'?"
     close = difflib.get_close_matches(err.name, err.names, n=1)
     return f"did you mean '{err.prefix}{close[0]}'?" if close else err.fix
+
+
+def override_for_option(option: str) -> str | None:
+    """The config override that a command-line ``option`` the command does not take stands for,
+    written out as one (``--train-iters=10`` -> ``train.steps=10``, ``--lr`` ->
+    ``optimizer.lr=VALUE``): a dotted key with dashes, an option's own name where no other section
+    has one, or Megatron-LM's argument; None for any other."""
+    name, given, value = option.lstrip("-").partition("=")
+    name = name.replace("-", "_")
+    keys = _option_keys(ExperimentConfig)
+    found = [key for key in keys if key.rsplit(".", 1)[-1] == name]
+    if name in keys:
+        key, origin = name, ""
+    elif MEGATRON_LM_NAMES.get(name) in keys:
+        key, origin = MEGATRON_LM_NAMES[name], f" (Megatron-LM's --{name.replace('_', '-')})"
+    elif len(found) == 1:
+        key, origin = found[0], ""
+    else:
+        return None
+    return f"{key}={value if given else 'VALUE'}{origin}"
 
 
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megatron_train import cli
 from megatron_train.config import ExperimentConfig, checkpoint_dir, data_parallel_size, data_prefixes
+from megatron_train.config_loading import override_for_option
 from megatron_train.errors import BAD_INPUT, ConfigError
 from megatron_train.memory import MemoryEstimate, estimate, fitting_layouts
 from megatron_train.resolve import resolve
@@ -113,7 +114,7 @@ def run(
 
 @cli.entry_point
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.ArgumentParser(description=__doc__)
+    parser = cli.ArgumentParser(override_for=override_for_option, description=__doc__)
     parser.add_argument("--config", type=cli.non_empty, required=True)
     parser.add_argument("--nodes", type=cli.positive_int, default=1)
     parser.add_argument("--gpus-per-node", type=cli.positive_int, default=8)

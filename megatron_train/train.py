@@ -33,6 +33,7 @@ from megatron_train.config import (
     data_prefixes,
     to_dict,
 )
+from megatron_train.config_loading import override_for_option
 from megatron_train.errors import BAD_INPUT
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
@@ -45,7 +46,7 @@ EXIT_STOPPED_EARLY = 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = cli.ArgumentParser(description=__doc__)
+    parser = cli.ArgumentParser(override_for=override_for_option, description=__doc__)
     parser.add_argument("--config", type=cli.non_empty, required=True, help="YAML experiment config")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied in order")
     return parser.parse_intermixed_args(argv)

@@ -559,6 +559,20 @@ CASES = [
         _args("--confg", "WS/cfg.yaml"),
         "required: --config (not an option here: --confg)",
     ),
+    # a Megatron-LM user's flag, and an override written as one: named as the override it is here
+    Case(
+        "megatron-lm-flag",
+        "train",
+        _train("--train-iters", "10"),
+        "--train-iters. Fix: give it as a config override after --config, key=value without dashes: "
+        "train.steps=10 (Megatron-LM's --train-iters)",
+    ),
+    Case(
+        "override-as-a-flag",
+        "preflight",
+        _preflight("--optimizer.lr=1e-4"),
+        "without dashes: optimizer.lr=1e-4",
+    ),
     Case(
         "generate-prompt-given-twice",
         "generate",
