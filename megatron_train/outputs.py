@@ -4,8 +4,10 @@ dataset appears only once complete."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,28 +42,77 @@ def made_dir(path: Path) -> Iterator[Path]:
 
 
 @contextmanager
-def dataset_files(prefix: Path) -> Iterator[tuple[Path, Path]]:
+def dataset_files(prefix: Path, key: str) -> Iterator[tuple[Path, Path]]:
     """Temporary ``.bin`` and ``.idx`` paths for the indexed dataset at ``prefix``. When the body
     succeeds they become ``prefix.bin`` and ``prefix.idx``, the ``.idx`` last, so a dataset whose
-    ``.idx`` exists is complete; either way no temporary file stays."""
+    ``.idx`` exists is complete; either way no temporary file stays. One process at a time writes
+    a given dataset: another one writing it (the same command started twice), or one that
+    finished it meanwhile, is a ConfigError naming ``key``, and its files are left as they are."""
     tmp_bin, tmp_idx = _dataset_tmp_files(prefix)
-    try:
-        yield tmp_bin, tmp_idx
-        os.replace(tmp_bin, prefix.with_name(prefix.name + ".bin"))
-        os.replace(tmp_idx, prefix.with_name(prefix.name + ".idx"))
-    finally:
-        discard_partial_dataset(prefix)
+    done = prefix.with_name(prefix.name + ".idx")
+    with _claimed(tmp_bin, key) as claimed:
+        if not claimed:
+            raise ConfigError(
+                key,
+                f"{prefix}.bin/.idx is being written by another process now (it holds {tmp_bin})",
+                f"let that process finish, or choose another {key}",
+            )
+        try:
+            if done.exists():
+                raise ConfigError(
+                    key,
+                    f"{prefix}.bin/.idx was written by another process meanwhile",
+                    f"choose another {key}",
+                )
+            yield tmp_bin, tmp_idx
+            os.replace(tmp_bin, prefix.with_name(prefix.name + ".bin"))
+            os.replace(tmp_idx, done)
+        finally:
+            tmp_bin.unlink(missing_ok=True)
+            tmp_idx.unlink(missing_ok=True)
 
 
 def _dataset_tmp_files(prefix: Path) -> tuple[Path, Path]:
     return prefix.with_name(f"{prefix.name}.bin.tmp"), prefix.with_name(f"{prefix.name}.idx.tmp")
 
 
+@contextmanager
+def _claimed(tmp: Path, key: str) -> Iterator[bool]:
+    """Whether this process alone holds ``tmp`` (created if missing, its contents kept): the
+    kernel's lock on it, which ends with the process however it ends, so a file left by a killed
+    writer is free. A file system without such locks lets every process hold it."""
+    if os.path.lexists(tmp) and not stat.S_ISREG(os.lstat(tmp).st_mode):
+        raise ConfigError(key, f"{tmp}, a temporary name of the output, is {_kind(tmp)}", "move it away")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        except OSError:  # no locks on this file system
+            pass
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _kind(path: Path) -> str:
+    if path.is_symlink():
+        return "a symbolic link"
+    return "a directory" if path.is_dir() else "not a regular file"
+
+
 def discard_partial_dataset(prefix: Path) -> None:
-    """Remove the temporary files :func:`dataset_files` writes for ``prefix``, as a process that
-    was stopped before its own clean-up left them."""
-    for path in _dataset_tmp_files(prefix):
-        path.unlink(missing_ok=True)
+    """Remove the temporary files :func:`dataset_files` wrote for ``prefix`` and left behind, its
+    process stopped before its own clean-up; those another process is writing stay."""
+    tmp_bin, tmp_idx = _dataset_tmp_files(prefix)
+    if not os.path.lexists(tmp_bin) or not stat.S_ISREG(os.lstat(tmp_bin).st_mode):
+        return
+    with _claimed(tmp_bin, "") as claimed:
+        if claimed:
+            tmp_bin.unlink(missing_ok=True)
+            tmp_idx.unlink(missing_ok=True)
 
 
 def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:

@@ -2438,6 +2438,14 @@ CASES = [
         _preprocess("--output-prefix", "WS/corpus/spm.model/out"),
         "--output-prefix",
     ),
+    # IsADirectoryError
+    Case(
+        "preprocess-temporary-name-a-folder",
+        "preprocess",
+        _preprocess("--output-prefix", "WS/cases/preprocess-temporary-name-a-folder/out"),
+        "out.bin.tmp, a temporary name of the output, is a directory",
+        setup=_write("out.bin.tmp/kept", "a file of someone else's"),
+    ),
     Case(
         "preprocess-output-dir-the-root",
         "preprocess",

@@ -70,7 +70,7 @@ def merge(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--input", f"the datasets hold different token types ({found})", "merge like with like"
         )
-    with made_dir(out.parent), dataset_files(out) as (tmp_bin, tmp_idx):
+    with made_dir(out.parent), dataset_files(out, "--output-prefix") as (tmp_bin, tmp_idx):
         builder = IndexedDatasetBuilder(str(tmp_bin), dtype=next(iter(dtypes.values())).type)
         for prefix in prefixes:
             builder.add_index(prefix)

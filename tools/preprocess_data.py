@@ -18,7 +18,8 @@ per input file (named after its path below the inputs' common folder), several f
 run that stops or fails keeps the datasets it finished, and running it again writes only the
 missing ones.
 ``tools/merge_datasets.py`` joins them into one. A dataset appears only when complete (written
-under temporary names, the .idx renamed last); a failed dataset leaves nothing behind. Exit codes:
+under temporary names, the .idx renamed last, by one process at a time); a failed dataset leaves
+nothing behind. Exit codes:
 0 done, 2 bad input.
 """
 
@@ -153,7 +154,7 @@ def preprocess(args: argparse.Namespace) -> None:
         with made_dir(out.parent):
             texts = _texts(files, job.text_key)
             counts = write_dataset(
-                out, texts, " ".join(args.input), tokenizer.encode, job, show_progress=True
+                out, "--output-prefix", texts, " ".join(args.input), tokenizer.encode, job, show_progress=True
             )
         written = f"{out}.bin/.idx"
     elapsed = time.perf_counter() - start
@@ -169,12 +170,18 @@ def _texts(files: list[Path], key: str) -> Iterable[str]:
 
 
 def write_dataset(
-    prefix: Path, texts: Iterable[str], source: str, encode: Encode, job: Job, show_progress: bool = False
+    prefix: Path,
+    key: str,
+    texts: Iterable[str],
+    source: str,
+    encode: Encode,
+    job: Job,
+    show_progress: bool = False,
 ) -> Counts:
     """Tokenize ``texts`` (read from ``source``) with ``encode`` into ``prefix``.bin/.idx, which
-    appear only once complete."""
+    appear only once complete; ``key`` is the option that named the output."""
     counts = Counts()
-    with dataset_files(prefix) as (tmp_bin, tmp_idx), open(tmp_bin, "wb") as bin_file:
+    with dataset_files(prefix, key) as (tmp_bin, tmp_idx), open(tmp_bin, "wb") as bin_file:
         writer = TokenWriter(bin_file, job.dtype)
         bar = tqdm(unit="doc", desc="tokenizing", file=sys.stderr, disable=None if show_progress else True)
         texts, previous = iter(texts), None
@@ -237,7 +244,7 @@ def _write_shard(path: Path, prefix: Path, job: Job) -> Counts:
     # Each worker loads its own: a tokenizer does not pickle, and a forked Hugging Face one would
     # keep the parent's thread count.
     encode = text_encoder(job.tokenizer_type, job.tokenizer, job.threads).encode
-    return write_dataset(prefix, read_texts(path, job.text_key), str(path), encode, job)
+    return write_dataset(prefix, "--output-dir", read_texts(path, job.text_key), str(path), encode, job)
 
 
 def _as_worker() -> None:
