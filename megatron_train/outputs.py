@@ -115,6 +115,21 @@ def discard_partial_dataset(prefix: Path) -> None:
             tmp_idx.unlink(missing_ok=True)
 
 
+def publish(renames: list[tuple[Path, Path]], key: str) -> None:
+    """Rename each finished temporary file or folder to its output, none of which may exist:
+    one that another process wrote while this one worked (the same command started twice) is
+    kept, and this process's refused, as ConfigError naming ``key``."""
+    for _, out in renames:
+        if os.path.lexists(out):
+            raise ConfigError(
+                key,
+                f"{out} was written by another process meanwhile",
+                f"keep that one, or choose another {key}",
+            )
+    for tmp, out in renames:
+        os.replace(tmp, out)
+
+
 def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
     """The checked ``--output-prefix`` ``text``: it names files (not a folder) without one of their
     ``suffixes``, their folder is writable or can be made, and none of ``prefix`` + suffix exists

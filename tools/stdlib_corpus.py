@@ -7,6 +7,7 @@ once complete and never replaces an existing one. Exit codes: 0 done, 2 bad inpu
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import use_checkout  # noqa: F401
 
 # isort: split
 from megatron_train import cli
-from megatron_train.outputs import made_dir, output_prefix
+from megatron_train.outputs import made_dir, output_prefix, publish
 
 
 def write_corpus(output: str, max_files: int | None) -> None:
@@ -24,7 +25,7 @@ def write_corpus(output: str, max_files: int | None) -> None:
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
     written = 0
     with made_dir(out.parent):
-        tmp = out.with_name(out.name + ".tmp")
+        tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
         try:
             with open(tmp, "w") as f:
                 for path in files[:max_files]:
@@ -34,7 +35,7 @@ def write_corpus(output: str, max_files: int | None) -> None:
                         continue
                     f.write(json.dumps({"text": text, "path": str(path.relative_to(root))}) + "\n")
                     written += 1
-            tmp.replace(out)
+            publish([(tmp, out)], "--output")
         finally:
             tmp.unlink(missing_ok=True)
     print(f"wrote {written} files from {root} to {out}")

@@ -28,7 +28,7 @@ import sentencepiece as spm
 
 from megatron_train import cli
 from megatron_train.errors import ConfigError, reason
-from megatron_train.outputs import made_dir, output_prefix
+from megatron_train.outputs import made_dir, output_prefix, publish
 from megatron_train.text_sources import input_files, iter_texts
 
 # SentencePiece rejects longer "sentences"; documents are fed in pieces of at most this size.
@@ -105,8 +105,7 @@ def train(args: argparse.Namespace) -> None:
         tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
         try:
             _train(texts, args, tmp)
-            for suffix in (".model", ".vocab"):
-                os.replace(f"{tmp}{suffix}", f"{out}{suffix}")
+            publish([(Path(f"{tmp}{s}"), Path(f"{out}{s}")) for s in (".model", ".vocab")], "--output-prefix")
         finally:
             for suffix in (".model", ".vocab"):
                 Path(f"{tmp}{suffix}").unlink(missing_ok=True)

@@ -40,7 +40,7 @@ from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_wei
 from megatron_train.init import fill_weights
 from megatron_train.models.family import Family, Index
 from megatron_train.models.registry import family_of
-from megatron_train.outputs import check_output_dir, made_dir
+from megatron_train.outputs import check_output_dir, made_dir, publish
 from megatron_train.resolve import imported_config
 
 SIDE_DIR = "hf"
@@ -60,7 +60,7 @@ def _staging(out: Path) -> Iterator[Path]:
         tmp.mkdir()
         try:
             yield tmp
-            os.replace(tmp, out)
+            publish([(tmp, out)], "--out")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -1,0 +1,55 @@
+"""Outputs appear whole, and once: a dataset written by one process at a time, a finished output
+never replaced by another process's."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_train.errors import ConfigError
+from megatron_train.outputs import dataset_files, discard_partial_dataset, publish
+
+
+def test_a_dataset_is_written_by_one_process_at_a_time_and_never_over_a_finished_one(tmp_path):
+    """The same command started twice wrote both runs' tokens into one temporary file, and the
+    second ended in a traceback when the first had renamed it."""
+    prefix = tmp_path / "d"
+    with dataset_files(prefix, "--output-prefix") as (tmp_bin, tmp_idx):
+        tmp_bin.write_bytes(b"first")
+        # Another open file of the same path, as another process would have: the lock is per open.
+        with pytest.raises(ConfigError, match="being written by another process now"):
+            with dataset_files(prefix, "--output-prefix"):
+                pass
+        assert tmp_bin.read_bytes() == b"first"
+        tmp_idx.write_bytes(b"index")
+    assert (tmp_path / "d.bin").read_bytes() == b"first"
+    with pytest.raises(ConfigError, match="written by another process meanwhile"):
+        with dataset_files(prefix, "--output-prefix"):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin", "d.idx"]
+
+
+def test_partial_files_are_discarded_unless_another_process_writes_them(tmp_path):
+    prefix = tmp_path / "d"
+    (tmp_path / "d.bin.tmp").write_bytes(b"left by a killed writer")
+    (tmp_path / "d.idx.tmp").write_bytes(b"")
+    discard_partial_dataset(prefix)
+    assert not list(tmp_path.iterdir())
+    with dataset_files(prefix, "--output-dir") as (tmp_bin, tmp_idx):
+        tmp_bin.write_bytes(b"being written")
+        discard_partial_dataset(prefix)
+        assert tmp_bin.read_bytes() == b"being written"
+        tmp_idx.write_bytes(b"index")
+
+
+def test_an_output_another_process_finished_meanwhile_is_kept(tmp_path):
+    """The same conversion or tokenizer training started twice: the second's rename replaced the
+    first's model (or failed with a traceback on its non-empty folder)."""
+    (tmp_path / "a.tmp").write_text("this run's")
+    (tmp_path / "b.tmp").write_text("this run's")
+    (tmp_path / "b").write_text("the other run's")
+    with pytest.raises(ConfigError, match="b was written by another process meanwhile"):
+        publish([(tmp_path / "a.tmp", tmp_path / "a"), (tmp_path / "b.tmp", tmp_path / "b")], "--out")
+    # Neither of this run's is published where the other's is.
+    assert not (tmp_path / "a").exists() and (tmp_path / "b").read_text() == "the other run's"
+    publish([(tmp_path / "a.tmp", tmp_path / "a")], "--out")
+    assert (tmp_path / "a").read_text() == "this run's"
