@@ -86,11 +86,16 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 key, f"{shown(value)} is beyond 64-bit integers", f"set {key} to at most {_INT64_MAX:,}"
             )
         return value
-    raise ConfigError(
-        key,
-        f"expected {_type_name(tp)}, got {type(value).__name__} {shown(value)}",
-        f"set {key} to {_type_name(tp)}",
-    )
+    fix = f"set {key} to {_type_name(tp)}"
+    if tp is str and isinstance(value, int | float):
+        # A name or path that YAML reads as a number or a truth value (123, 1e3, yes, off).
+        leaf = key.rsplit(".", 1)[-1]
+        fix = f'quote it to keep it text: {leaf}: "..." in YAML, \'{key}="..."\' as an override ' + (
+            "(YAML reads yes, no, on, off, true and false as truth values)"
+            if isinstance(value, bool)
+            else f"(YAML reads {shown(value)} as a number)"
+        )
+    raise ConfigError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {shown(value)}", fix)
 
 
 def _check_ranges(value: float, declarations: list[Any], key: str) -> None:
@@ -322,6 +327,11 @@ class _ConfigLoader(yaml.SafeLoader):
 
 
 _ConfigLoader.add_constructor("tag:yaml.org,2002:int", _ConfigLoader.construct_yaml_int)
+# No option is a date: a run named 2024-06-01 is text, not the date YAML 1.1 would read.
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),

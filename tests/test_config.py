@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_train.config import WEIGHT_SHAPING_KEYS, ConfigError, ModelConfig, to_dict
+from megatron_train.config_loading import read_yaml
 from megatron_train.resolve import at_layout, load_config, resolve, validate
 from megatron_train.train import main
 from tests.conftest import ROOT, run_tool, write_config
@@ -39,6 +40,21 @@ def test_numbers_written_as_exponents_without_a_dot_are_numbers(tmp_path, good_c
     # megatron-core divides each weight by their sum
     with pytest.raises(ConfigError, match=r"weights as large as 1e\+308 add up past the largest float"):
         validate(load_config(good_config, ["data.blend=[1e308, /data/a, 1e308, /data/b]"]), world_size=1)
+
+
+def test_a_name_yaml_would_read_as_a_date_is_text_and_one_it_reads_as_a_number_is_told_to_quote(
+    tmp_path, good_config
+):
+    dated = tmp_path / "dated.yaml"
+    dated.write_text("logging:\n  run_dir: 2024-06-01\n")
+    assert read_yaml(dated) == {"logging": {"run_dir": "2024-06-01"}}
+    cfg = load_config(good_config, ["logging.run_dir=2024-06-01", "data.blend=[1, 2024-06-01, 2, /data/b]"])
+    assert cfg.logging.run_dir == "2024-06-01" and cfg.data.blend == [1, "2024-06-01", 2, "/data/b"]
+    for value, reads in [("123", "YAML reads 123 as a number"), ("off", "as truth values")]:
+        with pytest.raises(ConfigError) as info:
+            load_config(good_config, [f"logging.run_dir={value}"])
+        assert info.value.fix.startswith("quote it to keep it text") and reads in info.value.fix
+    assert load_config(good_config, ['logging.run_dir="123"']).logging.run_dir == "123"
 
 
 def test_the_weight_shaping_keys_are_model_options():
