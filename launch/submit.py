@@ -140,7 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sbatch_command(args: argparse.Namespace) -> list[str]:
     """The sbatch command line for these arguments."""
-    log_dir = Path(args.log_dir).resolve()
+    # sbatch reads % in --output as the start of a pattern (%j: the job id): %% is a plain one.
+    log_dir = str(Path(args.log_dir).resolve()).replace("%", "%%")
     cmd = ["sbatch", "--parsable", f"--job-name={args.job_name}", f"--nodes={args.nodes}",
            f"--ntasks-per-node={args.gpus_per_node}", f"--time={args.time}",
            f"--signal=USR1@{args.signal_seconds}", f"--output={log_dir}/%x-%j.out"]  # fmt: skip
@@ -186,6 +187,13 @@ def check_args(args: argparse.Namespace) -> None:
             "give a longer --time or fewer --signal-seconds",
         )
     check_output_dir("--log-dir", Path(args.log_dir))
+    if "\\" in str(Path(args.log_dir).resolve()):
+        raise ConfigError(
+            "--log-dir",
+            f"{args.log_dir!r} holds a backslash, which makes sbatch read the job's log name %x-%j.out "
+            "as it stands: every job would write the same file",
+            "name a folder without a backslash",
+        )
     if args.container_mounts and not args.container_image:
         raise ConfigError(
             "--container-mounts",

@@ -1631,6 +1631,13 @@ CASES = [
         _args("--config", "WS/cfg.yaml", "--log-dir", "WS/corpus/spm.model/logs", "--dry-run"),
         "'--log-dir'",
     ),
+    # sbatch would read the log name %x-%j.out as it stands: every job writing one file
+    Case(
+        "submit-log-dir-with-a-backslash",
+        "submit",
+        _args("--config", "WS/cfg.yaml", "--log-dir", "WS/cases/logs\\new", "--dry-run"),
+        "holds a backslash",
+    ),
     Case(
         "submit-nodes-0", "submit", _args("--config", "WS/cfg.yaml", "--nodes", "0", "--dry-run"), "--nodes"
     ),

@@ -151,16 +151,19 @@ def uninterrupted(slurm, corpus, tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("slurm_a")
     config = write_config(d / "cfg.yaml", corpus, d / "run", train={"steps": STEPS, "eval_interval": 0},
                           checkpoint={"interval": 10})  # fmt: skip
-    result = submit(slurm, config, d / "logs")
+    # sbatch reads % in --output as a pattern (the job's log went to a folder that did not exist,
+    # and the job failed without a line); a space must survive the batch script's quoting.
+    logs = d / "logs %j"
+    result = submit(slurm, config, logs)
     assert result.returncode == 0, result.stderr
     job = result.stdout.split()[-1]
-    assert wait_for_job(slurm, job) == "COMPLETED", (d / "logs" / f"megatron-train-{job}.out").read_text()
-    return {"dir": d, "job": job, "run": d / "run"}
+    assert wait_for_job(slurm, job) == "COMPLETED", (logs / f"megatron-train-{job}.out").read_text()
+    return {"logs": logs, "job": job, "run": d / "run"}
 
 
 def test_two_node_job_completes(slurm, uninterrupted):
-    d, job = uninterrupted["dir"], uninterrupted["job"]
-    logs = d / "logs" / f"megatron-train-{job}"
+    job = uninterrupted["job"]
+    logs = uninterrupted["logs"] / f"megatron-train-{job}"
     assert sorted(p.name for p in logs.glob("rank-*.log")) == [f"rank-{i}.log" for i in range(4)]
     assert "done. run directory" in (logs / "rank-0.log").read_text()
     assert "layout TP=2 PP=2 VPP=1 DP=1 on 4 cpu ranks" in (logs / "rank-0.log").read_text()
@@ -242,6 +245,26 @@ def test_submit_refuses_a_bad_config_without_queueing(slurm, corpus, tmp_path):
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
     assert "model.num_attention_heads" in result.stderr and "Nothing was submitted" in result.stderr
     assert _run("squeue", "-h", "-n", "megatron-train", "-t", "PD,R", env=slurm).stdout.strip() == ""
+
+
+def test_ranks_that_never_start_fail_the_job(slurm, corpus, tmp_path):
+    """srun exits 0 when a node cannot open a rank's log (here a folder in its place; a log dir
+    outside the shared file system in life): the job read as COMPLETED without a step trained."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**slurm, "MT_CONFIG": str(config), "MT_LOG_DIR": str(logs), "MT_REPO": str(ROOT),
+           "MT_PYTHON": sys.executable}  # fmt: skip
+    # One rank: where only some start, those wait for the others until the rendezvous times out.
+    job = _run("sbatch", "--parsable", "--hold", "--nodes=1", "--ntasks-per-node=1",
+               f"--output={logs}/%x-%j.out", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"),
+               env=env).stdout.strip()  # fmt: skip
+    (logs / f"megatron-train-{job}" / "rank-0.log").mkdir(parents=True)
+    _run("scontrol", "release", job, env=slurm)
+    assert wait_for_job(slurm, job) == "FAILED"
+    batch_log = (logs / f"megatron-train-{job}.out").read_text()
+    assert "srun exited 0, but rank 0 never wrote how the run ended: the ranks did not start" in batch_log
+    assert not (tmp_path / "run").exists()
 
 
 def test_sbatch_script_is_valid_bash():
