@@ -196,7 +196,7 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
     KeyboardInterrupt ends it with one line from the first rank and exit code 130, as a shell
     reports it, after the outputs being written were removed on the way out (a tool's SIGTERM,
     :class:`Terminated`, likewise, ending by that signal); a pipe whose reader went away ends it
-    quietly (141)."""
+    quietly (141); output the file system has no room for is one line and exit code 1."""
 
     @functools.wraps(main)
     def checked(*args: P.args, **kwargs: P.kwargs) -> int:
@@ -215,10 +215,14 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_READER_GONE
         except BaseException as err:  # torch's CheckpointException is a BaseException
-            if (line := unusable_path(err) or denied(err)) is None:
-                raise
-            report_once(line)
-            return EXIT_BAD_INPUT
+            if line := unusable_path(err) or denied(err):
+                report_once(line)
+                return EXIT_BAD_INPUT
+            # What a command prints, where its standard output is a file on a full disk.
+            if line := no_room(err, "the output", "free space where it goes or write it elsewhere"):
+                report(line)
+                return EXIT_FAILED
+            raise
 
     return checked
 

@@ -2791,6 +2791,28 @@ def test_a_command_whose_output_pipe_closes_ends_quietly(ws):
     assert (result.returncode, result.stderr) == (141, "")
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tools/inspect_checkpoint.py", "WS/" + CKPT],
+        ["-m", "megatron_train.preflight", "--config", "WS/cfg.yaml", "--gpus-per-node", "1"],
+    ],
+    ids=["inspect", "preflight"],
+)
+def test_a_command_whose_output_finds_no_room_says_so_in_one_line(ws, command):
+    """``inspect_checkpoint.py ... > report.txt`` on a full disk (/dev/full: every write fails so)."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, *(arg.replace("WS/", f"{ws}/") for arg in command)],
+            cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "error: the output could not be written ([Errno 28] No space left on device). Fix: free space "
+        "where it goes or write it elsewhere"
+    ]
+
+
 def test_readme_lists_exit_codes_per_entry_point():
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Exit codes") :]
