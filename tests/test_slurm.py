@@ -267,6 +267,31 @@ def test_ranks_that_never_start_fail_the_job(slurm, corpus, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_stop_save_that_cannot_be_requeued_fails_the_job_with_a_line(slurm, corpus, tmp_path):
+    """A job Slurm will not requeue (``--no-requeue`` here; a site's policy in life) read as
+    COMPLETED after its pre-timeout save, as if the run had finished."""
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000, "eval_interval": 0}
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {**slurm, "MT_CONFIG": str(config), "MT_LOG_DIR": str(logs), "MT_REPO": str(ROOT),
+           "MT_PYTHON": sys.executable}  # fmt: skip
+    job = _run("sbatch", "--parsable", "--no-requeue", "--nodes=1", "--ntasks-per-node=1",
+               f"--output={logs}/%x-%j.out", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"),
+               env=env).stdout.strip()  # fmt: skip
+    rank0 = logs / f"megatron-train-{job}" / "rank-0.log"
+    deadline = time.monotonic() + 300
+    while not (rank0.exists() and "step 2/" in rank0.read_text()):
+        assert time.monotonic() < deadline and job_field(slurm, job, "JobState") in ("PENDING", "RUNNING")
+        time.sleep(0.5)
+    _run("scancel", "--signal=USR1", job, env=slurm)
+    assert wait_for_job(slurm, job) == "FAILED"
+    assert job_field(slurm, job, "ExitCode") == "3:0" and job_field(slurm, job, "Restarts") == "0"
+    batch_log = (logs / f"megatron-train-{job}.out").read_text()
+    assert "could not be requeued (scontrol's line above says why): submit it again to resume" in batch_log
+
+
 def test_sbatch_script_is_valid_bash():
     assert _run("bash", "-n", str(ROOT / "launch" / "slurm" / "pretrain.sbatch")).returncode == 0
 
