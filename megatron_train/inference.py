@@ -7,6 +7,7 @@ included.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -23,11 +24,11 @@ from megatron_train.runtime import Runtime
 
 
 def checkpoint_config(
-    path: Path, tensor: int, pipeline: int, expert: int = 1
+    path: Path, tensor: int, pipeline: int, expert: int = 1, being_saved: Callable[[str], None] | None = None
 ) -> tuple[Path, ExperimentConfig]:
-    """The complete checkpoint ``path`` names (a save dir's newest), and the config it was written
-    with moved to a TP x PP x EP layout (no VPP)."""
-    path = files.resolve_explicit(Path(path))
+    """The complete checkpoint ``path`` names (a save dir's newest; see ``resolve_explicit`` for
+    ``being_saved``), and the config it was written with moved to a TP x PP x EP layout (no VPP)."""
+    path = files.resolve_explicit(Path(path), being_saved=being_saved)
     return path, at_layout(read_common(path)["config"], tensor, pipeline, expert)
 
 

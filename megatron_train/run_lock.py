@@ -54,3 +54,25 @@ def hold(key: str, folder: Path) -> str | None:
         return f"{folder} cannot be locked ({err.strerror}), so nothing stops a second run there"
     _held[folder] = fd
     return None
+
+
+def held_by_another(folder: Path) -> bool:
+    """Whether another process holds ``folder``'s lock now: a training run still going there.
+    False where that cannot be told (a file system without locks, a folder that cannot be opened)."""
+    folder = Path(folder).resolve()
+    if folder in _held:
+        return False
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        # Shared, and given back at once by the close: a run starting now is not refused.
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False

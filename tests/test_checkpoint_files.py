@@ -133,6 +133,47 @@ def test_explicit_paths_must_be_complete(tmp_path):
         files.resolve_explicit(tmp_path / "empty")
 
 
+# What a training run holds on its save dir while it runs (run_lock), from a process of its own.
+_RUN_HOLDS = (
+    "import fcntl, os, sys, time; fcntl.flock(os.open(sys.argv[1], os.O_RDONLY), fcntl.LOCK_EX); "
+    "print('held', flush=True); time.sleep(120)"
+)
+
+
+def test_a_tool_reads_a_running_runs_newest_complete_checkpoint_and_keeps_it_from_retention(tmp_path):
+    """Export, generate and inspect of a run that was training refused the checkpoint it was
+    saving as torn, and retention deleted the one they read while they read it."""
+    make_checkpoint(tmp_path, 10)
+    newest = make_checkpoint(tmp_path, 20)
+    saving = make_checkpoint(tmp_path, 30, complete=False)
+    notes = []
+    with pytest.raises(CheckpointError, match="torn"):  # no run holds the folder: torn, as before
+        files.resolve_explicit(tmp_path, being_saved=notes.append)
+    run = subprocess.Popen(
+        [sys.executable, "-c", _RUN_HOLDS, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert run.stdout.readline() == "held\n"
+        assert files.resolve_explicit(tmp_path, being_saved=notes.append) == newest
+        assert notes == [
+            f"iter_0000030 is being saved by a run still going in {tmp_path}; reading iter_0000020, its "
+            "newest complete checkpoint"
+        ]
+        # A checkpoint named itself, and training's own explicit load, stay as strict as before.
+        for asked, told in ((saving, notes.append), (tmp_path, None)):
+            with pytest.raises(CheckpointError, match="torn"):
+                files.resolve_explicit(asked, being_saved=told)
+    finally:
+        run.kill()
+        run.wait()
+    # The save completes and the next one too; retention keeps the checkpoint this process reads.
+    files.write_completion_record(saving, 30, checksums=False, extra={})
+    make_checkpoint(tmp_path, 40)
+    removed = files.apply_retention(tmp_path, keep_last=1, keep_every=0)
+    assert [p.name for p in removed] == ["iter_0000030", "iter_0000010"]
+    assert files.verify(newest)["iteration"] == 20
+
+
 def test_a_rollback_beside_newer_checkpoints_is_refused_until_they_are_moved_out(tmp_path):
     """The rolled-back run's saves would replace the newer checkpoints one at a time, and a
     requeued job's load=auto would continue the newest, leaving the rollback behind."""

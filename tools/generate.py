@@ -13,6 +13,7 @@ Exit codes: 0 done, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import sys
 
 # Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line,
 # and a Python without the project's environment one line too (use_checkout.py).
@@ -101,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     return cli.run(lambda: generate(args))
 
 
+def _note(text: str) -> None:
+    if cli.first_rank():
+        print(f"note: {text}", file=sys.stderr)
+
+
 def generate(args: argparse.Namespace) -> None:
     from megatron_train import inference, runtime
     from megatron_train.inputs import checked_tokenizer
@@ -112,7 +118,7 @@ def generate(args: argparse.Namespace) -> None:
             "applies only when sampling with --top-p; greedy decoding would ignore it",
             f"add --top-p (1 samples from the whole distribution) or drop {flag}",
         )
-    path, cfg = inference.checkpoint_config(args.ckpt, args.tp, args.pp)
+    path, cfg = inference.checkpoint_config(args.ckpt, args.tp, args.pp, being_saved=_note)
     tokenizer = None
     if args.prompt_ids is not None:
         ids = prompt_ids(args.prompt_ids, cfg.model.vocab_size)

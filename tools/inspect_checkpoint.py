@@ -92,6 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         cli.report(err)
         return cli.EXIT_BAD_INPUT
+    try:
+        files.verify(path)
+        complete = True
+    except CheckpointError:
+        complete = False
+        if older := files.complete_beside_a_save(path, args.path):
+            print(f"note: {path.name} is being saved by a run still going; showing {older.name}")
+            path, complete = older, True
+    try:
+        if complete:
+            files.held_for_reading(path)  # kept from a running run's retention while it is read
+    except CheckpointError as err:
+        cli.report(err)
+        return cli.EXIT_BAD_INPUT
     print(f"checkpoint:  {path.resolve()}")
     try:
         record = files.verify(path, checksums=args.verify_checksums)

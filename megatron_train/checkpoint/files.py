@@ -10,17 +10,19 @@ a record exists.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from megatron_train import json_text
+from megatron_train import json_text, run_lock
 from megatron_train.config import SAVE_DIR_IN_RUN
 from megatron_train.errors import CheckpointError, ConfigError, denied, not_a_file, shown
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
@@ -253,19 +255,66 @@ def locate(path: Path) -> Path:
     raise CheckpointError(f"{str(path)!r} holds no checkpoint: {_WANTED}")
 
 
-def resolve_explicit(path: Path, checksums: bool = False) -> Path:
+def resolve_explicit(
+    path: Path, checksums: bool = False, being_saved: Callable[[str], None] | None = None
+) -> Path:
     """An explicitly requested checkpoint, which must be complete: an ``iter_*`` dir, or a save dir
     whose newest checkpoint is. Anything else is a CheckpointError (never a silent fresh start),
-    naming the newest complete checkpoint beside a torn one."""
+    naming the newest complete checkpoint beside a torn one.
+
+    With ``being_saved`` (a tool reading a run that may be training), a save dir's or run dir's
+    newest checkpoint that a run still going is writing (that run holds the save dir's lock) is
+    not torn: the newest complete one is read instead, and ``being_saved`` told which."""
     found = locate(path)
     try:
         verify(found, checksums)
     except CheckpointError as err:
+        if being_saved and (older := complete_beside_a_save(found, Path(path))):
+            being_saved(
+                f"{found.name} is being saved by a run still going in {found.parent}; reading "
+                f"{older.name}, its newest complete checkpoint"
+            )
+            return held_for_reading(older)
         # Sizes only: the hint must not hash every older checkpoint (or refuse one saved without).
         older = find_latest_complete(found.parent).path
         beside = f" (the newest complete one beside it is {older})" if older else ""
         raise CheckpointError(f"{err}; give a complete checkpoint instead{beside}") from None
-    return found
+    return held_for_reading(found) if being_saved else found
+
+
+def complete_beside_a_save(found: Path, asked: Path) -> Path | None:
+    """Where ``asked``, a save dir or run dir, named ``found`` (:func:`locate`), an incomplete
+    checkpoint that a run still going is writing (it holds the save dir's lock): the newest
+    complete checkpoint beside it. None otherwise: an ``iter_*`` asked for by name, or a torn one."""
+    if found == asked or not run_lock.held_by_another(found.parent):
+        return None
+    return find_latest_complete(found.parent).path
+
+
+_reading: list[int] = []
+"""Open checkpoint folders this process reads, each under a shared lock until it exits."""
+
+
+def held_for_reading(path: Path) -> Path:
+    """``path``, kept from a running run's retention for the rest of this process (a tool that
+    reads it): retention passes over a checkpoint someone holds, and removes it at a later save.
+    Where the file system has no locks, nothing is kept."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return path
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:  # being removed now (retention holds it), or no locks here
+        os.close(fd)
+    else:
+        _reading.append(fd)
+    if not (path / RECORD).is_file():
+        raise CheckpointError(
+            f"{path} was removed by its run's retention as this started (a newer checkpoint was saved); "
+            "run it again to read the newest"
+        )
+    return path
 
 
 @dataclass(frozen=True)
@@ -431,9 +480,30 @@ def apply_retention(save_dir: Path, keep_last: int, keep_every: int) -> list[Pat
     for path in dirs:
         iteration = iteration_of(path)
         torn_and_old = iteration < newest and not (path / RECORD).is_file()
-        if iteration in doomed or torn_and_old:
-            # The record goes first so a half-deleted directory reads as torn, not complete.
-            (path / RECORD).unlink(missing_ok=True)
-            shutil.rmtree(path, ignore_errors=True)
+        if (iteration in doomed or torn_and_old) and _remove_unless_read(path):
             removed.append(path)
     return removed
+
+
+def _remove_unless_read(path: Path) -> bool:
+    """Remove checkpoint ``path`` unless a tool reads it now (it holds it: an export or generate
+    of a running run), which a later retention pass removes; True when removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # no locks on this file system
+        pass
+    try:
+        # The record goes first so a half-deleted directory reads as torn, not complete.
+        (path / RECORD).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return True

@@ -317,7 +317,7 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
               tokenizer: Path | None = None, log: Callable[[str], None] = print) -> Path:  # fmt: skip
     """Write a checkpoint as a transformers model directory ``out``; returns ``out``. ``tokenizer``
     replaces the path a trained run's config names (imported checkpoints carry their own)."""
-    path = files.resolve_explicit(Path(ckpt))
+    path = files.resolve_explicit(Path(ckpt), being_saved=lambda note: log(f"note: {note}"))
     # Inside it, the export would change the checkpoint (an hf/ folder marks an imported one).
     _check_outside(out, path, "the checkpoint")
     common = read_common(path)
