@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 # Before torch: the package's import makes a Ctrl-C during torch's own import (seconds) one line,
 # and a Python without the project's environment one line too (use_checkout.py).
@@ -109,6 +110,7 @@ def _note(text: str) -> None:
 
 def generate(args: argparse.Namespace) -> None:
     from megatron_train import inference, runtime
+    from megatron_train.checkpoint import files
     from megatron_train.inputs import checked_tokenizer
 
     if args.top_p is None and (args.temperature is not None or args.seed is not None):
@@ -144,6 +146,12 @@ def generate(args: argparse.Namespace) -> None:
             "launch tp x pp ranks (torchrun --nproc-per-node) or change --tp / --pp",
         )
     rt = runtime.initialize(cfg, env)
+    # Each rank found the newest checkpoint itself; a run that saved meanwhile may have given
+    # the later ones a newer one than rank 0's, whose weights every rank loads.
+    chosen = [str(path)]
+    torch.distributed.broadcast_object_list(chosen, src=0)
+    if chosen[0] != str(path):
+        path = files.held_for_reading(Path(chosen[0]))
     model = inference.load_for_inference(path, cfg, rt)
     gen = torch.Generator().manual_seed(args.seed or 0)
     prompt_len = len(ids)
