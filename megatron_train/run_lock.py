@@ -56,6 +56,21 @@ def hold(key: str, folder: Path) -> str | None:
     return None
 
 
+def open_locked(folder: Path, operation: int) -> int | None:
+    """``folder`` opened and locked with ``operation`` (``fcntl.LOCK_SH`` or ``LOCK_EX``), for the
+    caller to close; None where another process holds a lock that excludes it. On a file system
+    without locks the descriptor holds none. A folder that cannot be opened raises OSError."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        pass
+    return fd
+
+
 def held_by_another(folder: Path) -> bool:
     """Whether another process holds ``folder``'s lock now: a training run still going there.
     False where that cannot be told (a file system without locks, a folder that cannot be opened)."""
@@ -63,16 +78,11 @@ def held_by_another(folder: Path) -> bool:
     if folder in _held:
         return False
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return False
-    try:
         # Shared, and given back at once by the close: a run starting now is not refused.
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        fd = open_locked(folder, fcntl.LOCK_SH)
     except OSError:
         return False
-    finally:
-        os.close(fd)
+    if fd is None:
+        return True
+    os.close(fd)
     return False

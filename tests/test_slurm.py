@@ -119,6 +119,24 @@ def submit(
     )
 
 
+def sbatch_one_rank(slurm: dict, config: Path, logs: Path, *options: str) -> str:
+    """A one-rank job of the batch script submitted with sbatch itself, with ``options``; its id."""
+    logs.mkdir()
+    env = {**slurm, "MT_CONFIG": str(config), "MT_LOG_DIR": str(logs), "MT_REPO": str(ROOT),
+           "MT_PYTHON": sys.executable}  # fmt: skip
+    return _run("sbatch", "--parsable", *options, "--nodes=1", "--ntasks-per-node=1",
+                f"--output={logs}/%x-%j.out", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"),
+                env=env).stdout.strip()  # fmt: skip
+
+
+def wait_for_step(slurm: dict, job: str, rank0: Path, step: int) -> None:
+    """Until rank 0's log shows ``step`` trained (the job still pending or running meanwhile)."""
+    deadline = time.monotonic() + 300
+    while not (rank0.exists() and f"step {step}/" in rank0.read_text()):
+        assert time.monotonic() < deadline and job_field(slurm, job, "JobState") in ("PENDING", "RUNNING")
+        time.sleep(0.5)
+
+
 def job_field(slurm: dict, job: str, field: str) -> str:
     out = _run("scontrol", "show", "job", job, env=slurm).stdout
     return next(tok.split("=", 1)[1] for tok in out.split() if tok.startswith(field + "="))
@@ -181,10 +199,7 @@ def test_pre_timeout_signal_saves_requeues_and_resumes_to_the_same_loss(
     assert result.returncode == 0, result.stderr
     job = result.stdout.split()[-1]
     rank0 = tmp_path / "logs" / f"megatron-train-{job}" / "rank-0.log"
-    deadline = time.monotonic() + 300
-    while not (rank0.exists() and "step 4/" in rank0.read_text()):
-        assert time.monotonic() < deadline and job_field(slurm, job, "JobState") in ("PENDING", "RUNNING")
-        time.sleep(0.5)
+    wait_for_step(slurm, job, rank0, 4)
     # What Slurm's --signal=USR1@<seconds> does before the time limit: SIGUSR1 to every task.
     _run("scancel", "--signal=USR1", job, env=slurm)
     assert wait_for_job(slurm, job) == "COMPLETED"
@@ -252,13 +267,8 @@ def test_ranks_that_never_start_fail_the_job(slurm, corpus, tmp_path):
     outside the shared file system in life): the job read as COMPLETED without a step trained."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
     logs = tmp_path / "logs"
-    logs.mkdir()
-    env = {**slurm, "MT_CONFIG": str(config), "MT_LOG_DIR": str(logs), "MT_REPO": str(ROOT),
-           "MT_PYTHON": sys.executable}  # fmt: skip
     # One rank: where only some start, those wait for the others until the rendezvous times out.
-    job = _run("sbatch", "--parsable", "--hold", "--nodes=1", "--ntasks-per-node=1",
-               f"--output={logs}/%x-%j.out", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"),
-               env=env).stdout.strip()  # fmt: skip
+    job = sbatch_one_rank(slurm, config, logs, "--hold")
     (logs / f"megatron-train-{job}" / "rank-0.log").mkdir(parents=True)
     _run("scontrol", "release", job, env=slurm)
     assert wait_for_job(slurm, job) == "FAILED"
@@ -274,17 +284,8 @@ def test_a_stop_save_that_cannot_be_requeued_fails_the_job_with_a_line(slurm, co
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000, "eval_interval": 0}
     )
     logs = tmp_path / "logs"
-    logs.mkdir()
-    env = {**slurm, "MT_CONFIG": str(config), "MT_LOG_DIR": str(logs), "MT_REPO": str(ROOT),
-           "MT_PYTHON": sys.executable}  # fmt: skip
-    job = _run("sbatch", "--parsable", "--no-requeue", "--nodes=1", "--ntasks-per-node=1",
-               f"--output={logs}/%x-%j.out", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"),
-               env=env).stdout.strip()  # fmt: skip
-    rank0 = logs / f"megatron-train-{job}" / "rank-0.log"
-    deadline = time.monotonic() + 300
-    while not (rank0.exists() and "step 2/" in rank0.read_text()):
-        assert time.monotonic() < deadline and job_field(slurm, job, "JobState") in ("PENDING", "RUNNING")
-        time.sleep(0.5)
+    job = sbatch_one_rank(slurm, config, logs, "--no-requeue")
+    wait_for_step(slurm, job, logs / f"megatron-train-{job}" / "rank-0.log", 2)
     _run("scancel", "--signal=USR1", job, env=slurm)
     assert wait_for_job(slurm, job) == "FAILED"
     assert job_field(slurm, job, "ExitCode") == "3:0" and job_field(slurm, job, "Restarts") == "0"

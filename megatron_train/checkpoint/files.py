@@ -300,14 +300,10 @@ def held_for_reading(path: Path) -> Path:
     reads it): retention passes over a checkpoint someone holds, and removes it at a later save.
     Where the file system has no locks, nothing is kept."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = run_lock.open_locked(path, fcntl.LOCK_SH)
     except OSError:
-        return path
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:  # being removed now (retention holds it), or no locks here
-        os.close(fd)
-    else:
+        fd = None
+    if fd is not None:  # None: retention removes it now
         _reading.append(fd)
     if not (path / RECORD).is_file():
         raise CheckpointError(
@@ -489,16 +485,11 @@ def _remove_unless_read(path: Path) -> bool:
     """Remove checkpoint ``path`` unless a tool reads it now (it holds it: an export or generate
     of a running run), which a later retention pass removes; True when removed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fd = run_lock.open_locked(path, fcntl.LOCK_EX)
+        if fd is None:
+            return False
     except OSError:
         fd = None
-    try:
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError:  # no locks on this file system
-        pass
     try:
         # The record goes first so a half-deleted directory reads as torn, not complete.
         (path / RECORD).unlink(missing_ok=True)
