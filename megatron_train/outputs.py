@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_train import run_lock
 from megatron_train.errors import NAME_MAX, ConfigError
 
 TEMPORARY_NAME_EXTRA = 17
@@ -83,15 +84,11 @@ def _claimed(tmp: Path, key: str) -> Iterator[bool]:
     writer is free. A file system without such locks lets every process hold it."""
     if os.path.lexists(tmp) and not stat.S_ISREG(os.lstat(tmp).st_mode):
         raise ConfigError(key, f"{tmp}, a temporary name of the output, is {_kind(tmp)}", "move it away")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o666)
+    fd = run_lock.open_locked(tmp, fcntl.LOCK_EX, os.O_WRONLY | os.O_CREAT)
+    if fd is None:
+        yield False
+        return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        except OSError:  # no locks on this file system
-            pass
         yield True
     finally:
         os.close(fd)

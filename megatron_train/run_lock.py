@@ -56,11 +56,12 @@ def hold(key: str, folder: Path) -> str | None:
     return None
 
 
-def open_locked(folder: Path, operation: int) -> int | None:
-    """``folder`` opened and locked with ``operation`` (``fcntl.LOCK_SH`` or ``LOCK_EX``), for the
-    caller to close; None where another process holds a lock that excludes it. On a file system
-    without locks the descriptor holds none. A folder that cannot be opened raises OSError."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+def open_locked(path: Path, operation: int, flags: int = os.O_RDONLY | os.O_DIRECTORY) -> int | None:
+    """``path`` opened with ``flags`` (a folder, by default) and locked with ``operation``
+    (``fcntl.LOCK_SH`` or ``LOCK_EX``), for the caller to close; None where another process holds
+    a lock that excludes it. On a file system without locks the descriptor holds none. A path that
+    cannot be opened raises OSError."""
+    fd = os.open(path, flags, 0o666)
     try:
         fcntl.flock(fd, operation | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -286,8 +286,8 @@ def _write_shards(files: list[Path], out: Path, job: Job) -> tuple[Counts, str]:
                 kept = sum(p.with_name(p.name + ".idx").exists() for _, p in todo)
                 raise Failure(
                     "a worker process ended abruptly while writing the datasets (killed: the kernel's "
-                    f"out-of-memory killer is the usual one, as `dmesg` shows); the {kept} it finished are "
-                    "kept. Fix: run it again, with fewer --workers if memory ran out"
+                    f"out-of-memory killer is the usual one, as `dmesg` shows); the datasets it finished "
+                    f"({kept}) are kept. Fix: run it again, with fewer --workers if memory ran out"
                 ) from None
             raise
     return counts, f"{len(todo)} dataset(s) in {out}"

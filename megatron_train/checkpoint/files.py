@@ -264,7 +264,8 @@ def resolve_explicit(
 
     With ``being_saved`` (a tool reading a run that may be training), a save dir's or run dir's
     newest checkpoint that a run still going is writing (that run holds the save dir's lock) is
-    not torn: the newest complete one is read instead, and ``being_saved`` told which."""
+    not torn: the newest complete one is read instead, and ``being_saved`` told which; the
+    checkpoint returned is then held from that run's retention (:func:`held_for_reading`)."""
     found = locate(path)
     try:
         verify(found, checksums)
@@ -303,7 +304,8 @@ def held_for_reading(path: Path) -> Path:
         fd = run_lock.open_locked(path, fcntl.LOCK_SH)
     except OSError:
         fd = None
-    if fd is not None:  # None: retention removes it now
+    # None: retention holds it to remove it, as the record check below finds.
+    if fd is not None:
         _reading.append(fd)
     if not (path / RECORD).is_file():
         raise CheckpointError(
