@@ -119,14 +119,15 @@ def submit(
     )
 
 
-def sbatch_one_rank(slurm: dict, config: Path, logs: Path, *options: str) -> str:
-    """A one-rank job of the batch script submitted with sbatch itself, with ``options``; its id."""
+def sbatch_rank_per_node(slurm: dict, config: Path, logs: Path, *options: str, nodes: int = 1) -> str:
+    """A job of the batch script, one rank on each of ``nodes`` nodes, submitted with sbatch itself
+    with ``options``; its id."""
     logs.mkdir()
     env = {**slurm, "MT_CONFIG": str(config), "MT_LOG_DIR": str(logs), "MT_REPO": str(ROOT),
            "MT_PYTHON": sys.executable}  # fmt: skip
-    return _run("sbatch", "--parsable", *options, "--nodes=1", "--ntasks-per-node=1",
+    return _run("sbatch", "--parsable", *options, f"--nodes={nodes}", "--ntasks-per-node=1",
                 f"--output={logs}/%x-%j.out", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"),
-                env=env).stdout.strip()  # fmt: skip
+                f"parallel.tensor={nodes}", env=env).stdout.strip()  # fmt: skip
 
 
 def wait_for_step(slurm: dict, job: str, rank0: Path, step: int) -> None:
@@ -235,10 +236,10 @@ def test_a_pre_timeout_signal_while_the_ranks_start_is_one_line_and_no_requeue(
     result = submit(slurm, config, tmp_path / "logs", extra=extra)
     assert result.returncode == 0, result.stderr
     job = result.stdout.split()[-1]
-    ranks = tmp_path / "logs" / f"megatron-train-{job}"
     deadline = time.monotonic() + 120
-    # slurmstepd opens each rank's log before it starts the rank, whose imports take seconds.
-    while len(list(ranks.glob("rank-*.log"))) < 4:
+    # Step 0 checks that every node can start its ranks; step 1 starts them, and their imports
+    # take seconds.
+    while f"{job}.1" not in _run("squeue", "-h", "-s", "-j", job, "-o", "%i", env=slurm, check=False).stdout:
         assert time.monotonic() < deadline and job_field(slurm, job, "JobState") in ("PENDING", "RUNNING")
         time.sleep(0.1)
     _run("scancel", "--signal=USR1", job, env=slurm)
@@ -262,18 +263,22 @@ def test_submit_refuses_a_bad_config_without_queueing(slurm, corpus, tmp_path):
     assert _run("squeue", "-h", "-n", "megatron-train", "-t", "PD,R", env=slurm).stdout.strip() == ""
 
 
-def test_ranks_that_never_start_fail_the_job(slurm, corpus, tmp_path):
-    """srun exits 0 when a node cannot open a rank's log (here a folder in its place; a log dir
-    outside the shared file system in life): the job read as COMPLETED without a step trained."""
+@pytest.mark.parametrize("nodes", [1, 2], ids=["every-node", "one-node-of-two"])
+def test_a_node_that_cannot_start_its_ranks_fails_the_job_at_once(slurm, corpus, tmp_path, nodes):
+    """A node that cannot open its rank's log (here a folder in its place; a log dir outside the
+    shared file system in life): srun exited 0 when no rank started, so the job read as COMPLETED
+    without a step trained, and where only one node's ranks failed to start, the others waited
+    in the rendezvous for the collective timeout (10 minutes) before the job failed."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
     logs = tmp_path / "logs"
-    # One rank: where only some start, those wait for the others until the rendezvous times out.
-    job = sbatch_one_rank(slurm, config, logs, "--hold")
-    (logs / f"megatron-train-{job}" / "rank-0.log").mkdir(parents=True)
+    job = sbatch_rank_per_node(slurm, config, logs, "--hold", nodes=nodes)
+    (logs / f"megatron-train-{job}" / f"rank-{nodes - 1}.log").mkdir(parents=True)
     _run("scontrol", "release", job, env=slurm)
-    assert wait_for_job(slurm, job) == "FAILED"
+    assert wait_for_job(slurm, job, timeout=120) == "FAILED"
+    assert job_field(slurm, job, "ExitCode") == "2:0"
     batch_log = (logs / f"megatron-train-{job}.out").read_text()
-    assert "srun exited 0, but rank 0 never wrote how the run ended: the ranks did not start" in batch_log
+    assert f"error: job {job} cannot start its ranks on nodes n{nodes}: rank {nodes - 1} on node n{nodes}" \
+        " cannot write its log" in batch_log  # fmt: skip
     assert not (tmp_path / "run").exists()
 
 
@@ -284,7 +289,7 @@ def test_a_stop_save_that_cannot_be_requeued_fails_the_job_with_a_line(slurm, co
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000, "eval_interval": 0}
     )
     logs = tmp_path / "logs"
-    job = sbatch_one_rank(slurm, config, logs, "--no-requeue")
+    job = sbatch_rank_per_node(slurm, config, logs, "--no-requeue")
     wait_for_step(slurm, job, logs / f"megatron-train-{job}" / "rank-0.log", 2)
     _run("scancel", "--signal=USR1", job, env=slurm)
     assert wait_for_job(slurm, job) == "FAILED"
