@@ -2813,6 +2813,35 @@ def test_a_command_whose_output_finds_no_room_says_so_in_one_line(ws, command):
     ]
 
 
+@pytest.mark.parametrize(
+    ("command", "written"),
+    [
+        (["tools/merge_datasets.py", "--input", "WS/corpus/stdlib", "--output-prefix", "OUT/merged"],
+         ["merged.bin", "merged.idx"]),
+        (["tools/convert_checkpoint.py", "export-hf", "--ckpt", "WS/" + CKPT, "--out", "OUT/hf"], ["hf"]),
+    ],
+    ids=["merge", "export-hf"],
+)  # fmt: skip
+def test_a_tool_whose_report_finds_no_room_keeps_what_it_wrote(ws, tmp_path, command, written):
+    """``merge_datasets.py ... > log.txt`` on a full disk: the dataset was written, yet the tool's
+    last line failed as "the output could not be written" (exit 1)."""
+    args = [arg.replace("WS/", f"{ws}/").replace("OUT/", f"{tmp_path}/") for arg in command]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300
+        )
+    assert result.returncode == 0, result.stderr
+    assert all((tmp_path / name).exists() for name in written)
+    lines = result.stderr.splitlines()
+    assert lines and all(
+        line.startswith(
+            "note: standard output had no room for this line ([Errno 28] No space left on device): "
+        )
+        for line in lines
+    )
+    assert str(tmp_path) in lines[-1]
+
+
 def test_readme_lists_exit_codes_per_entry_point():
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Exit codes") :]

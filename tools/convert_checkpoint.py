@@ -64,12 +64,12 @@ def convert(args: argparse.Namespace) -> None:
     # megatron's checkpoint I/O runs in a process group; conversion needs only this process.
     runtime.initialize(ExperimentConfig(), runtime.LaunchEnv(rank=0, world_size=1, local_rank=0))
     if args.command == "import-hf":
-        import_hf(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple)
+        import_hf(args.hf, args.out, args.tp, args.pp, args.vocab_pad_multiple, log=cli.say)
     else:
         dtype = getattr(torch, args.dtype) if args.dtype else None
         # A size past any model's (1e300 GiB is past every float) is one file, as asked.
         max_shard_bytes = int(min(args.max_shard_gib * 2**30, sys.maxsize))
-        export_hf(args.ckpt, args.out, dtype, max_shard_bytes, args.tokenizer)
+        export_hf(args.ckpt, args.out, dtype, max_shard_bytes, args.tokenizer, log=cli.say)
 
 
 if __name__ == "__main__":

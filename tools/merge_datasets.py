@@ -75,7 +75,7 @@ def merge(args: argparse.Namespace) -> None:
         for prefix in prefixes:
             builder.add_index(prefix)
         builder.finalize(str(tmp_idx))
-    print(f"wrote {out}.bin/.idx from {len(prefixes)} dataset(s)")
+    cli.say(f"wrote {out}.bin/.idx from {len(prefixes)} dataset(s)")
 
 
 if __name__ == "__main__":

@@ -158,7 +158,7 @@ def preprocess(args: argparse.Namespace) -> None:
             )
         written = f"{out}.bin/.idx"
     elapsed = time.perf_counter() - start
-    print(
+    cli.say(
         f"wrote {written} from {len(files)} file(s): {counts.docs} docs ({counts.empty} empty skipped), "
         f"{counts.tokens} tokens in {elapsed:.1f}s "
         f"({counts.docs / elapsed:.0f} docs/s, {counts.bytes / elapsed / 1e6:.2f} MB/s)"
@@ -259,7 +259,8 @@ def _write_shards(files: list[Path], out: Path, job: Job) -> tuple[Counts, str]:
     prefixes = [out / name for name in shard_names(files)]
     todo = [(f, p) for f, p in zip(files, prefixes, strict=True) if not p.with_name(p.name + ".idx").exists()]
     if len(todo) < len(files):
-        print(f"{len(files) - len(todo)} of {len(files)} datasets already written in {out}; writing the rest")
+        done = len(files) - len(todo)
+        cli.say(f"{done} of {len(files)} datasets already written in {out}; writing the rest")
     jobs = max(1, min(len(todo), job.threads))
     shard_job = replace(job, threads=max(1, job.threads // jobs))
     counts, created = Counts(), not out.exists()

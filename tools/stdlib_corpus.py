@@ -38,7 +38,7 @@ def write_corpus(output: str, max_files: int | None) -> None:
             publish([(tmp, out)], "--output")
         finally:
             tmp.unlink(missing_ok=True)
-    print(f"wrote {written} files from {root} to {out}")
+    cli.say(f"wrote {written} files from {root} to {out}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,7 +109,7 @@ def train(args: argparse.Namespace) -> None:
         finally:
             for suffix in (".model", ".vocab"):
                 Path(f"{tmp}{suffix}").unlink(missing_ok=True)
-    print(f"wrote {out}.model ({args.vocab_size} pieces)")
+    cli.say(f"wrote {out}.model ({args.vocab_size} pieces)")
 
 
 def _train(texts: Iterator[str], args: argparse.Namespace, prefix: Path) -> None:
