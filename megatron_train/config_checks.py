@@ -333,10 +333,11 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> Non
             f"{etp} x {p.expert} x {p.pipeline}",
             "launch a multiple of that many ranks or change parallel.expert/expert_tensor",
         )
-    if p.expert > 1 and p.tensor > 1 and not p.sequence_parallel:
+    if p.tensor > 1 and not p.sequence_parallel:
+        # megatron-core's MoE layer refuses to train so (a ValueError at the first step).
         raise ConfigError(
             "parallel.sequence_parallel",
-            "must be true when expert and tensor parallelism are combined (megatron-core's rule)",
+            "must be true for a mixture-of-experts model with tensor parallelism (megatron-core's rule)",
             "set parallel.sequence_parallel=true",
         )
 

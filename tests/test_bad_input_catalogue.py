@@ -1555,6 +1555,19 @@ CASES = [
         "2 x parallel.context = 8",
     ),
     Case(
+        "preflight-moe-tensor-parallel-without-sequence-parallel",
+        "preflight",
+        _args(
+            "--config",
+            "WS/cfg.yaml",
+            "--gpus-per-node",
+            "2",
+            "model.preset=qwen3-moe-tiny",
+            "parallel.tensor=2",
+        ),
+        "must be true for a mixture-of-experts model with tensor parallelism",
+    ),
+    Case(
         "preflight-save-dir-under-file",
         "preflight",
         _args(
