@@ -342,8 +342,8 @@ def _main(argv: list[str] | None) -> int:
     except BAD_INPUT as err:  # a bad checkpoint or Hugging Face directory to start from
         cli.report_once(err)
         return EXIT_BAD_CONFIG
-    except TrainingDiverged as err:
-        print(f"error on rank {rt.rank}: {err}", file=sys.stderr)
+    except TrainingDiverged as err:  # every rank meets it at the same step
+        cli.report_once(err)
         return EXIT_TRAINING_FAILED
     except KeyboardInterrupt:  # a second Ctrl-C (stopping.py) does not wait for the save
         if rt.is_main:

@@ -301,13 +301,16 @@ def test_interleaved_pipeline_matches_single_rank(tmp_path, corpus):
         assert abs(g - e) <= 1e-4 * e, f"step {step}: grad norm {g} vs single-rank {e}"
 
 
-def test_nan_loss_stops_with_the_step(tmp_path, corpus):
+def test_nan_loss_stops_with_the_step_in_one_line(tmp_path, corpus):
+    """Every rank meets it at the same step (the loss and the norm are the job's), and each one
+    printed it: a line per rank, 512 on 512 GPUs."""
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer={"lr": 1e30, "warmup_steps": 0}
     )
-    result = torchrun(1, config, "optimizer.clip_grad=0")
-    assert result.returncode != 0
-    assert "is not finite" in result.stderr and "step " in result.stderr
+    result = torchrun(2, config, "optimizer.clip_grad=0", "parallel.pipeline=2")
+    assert result.returncode == 1
+    [line] = [line for line in result.stderr.splitlines() if "is not finite" in line]
+    assert line.startswith("error: step ")
 
 
 def test_a_rank_killed_by_a_native_crash_prints_where_its_threads_were(tmp_path, corpus):
