@@ -333,11 +333,22 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, world_size: int) -> Non
             f"{etp} x {p.expert} x {p.pipeline}",
             "launch a multiple of that many ranks or change parallel.expert/expert_tensor",
         )
-    if p.tensor > 1 and not p.sequence_parallel:
-        # megatron-core's MoE layer refuses to train so (a ValueError at the first step).
+    if p.expert > 1 and p.tensor > 1 and not p.sequence_parallel:
         raise ConfigError(
             "parallel.sequence_parallel",
-            "must be true for a mixture-of-experts model with tensor parallelism (megatron-core's rule)",
+            "must be true when expert and tensor parallelism are combined (megatron-core's rule)",
+            "set parallel.sequence_parallel=true",
+        )
+
+
+def validate_for_training(cfg: ExperimentConfig) -> None:
+    """What megatron-core refuses only in training: inference, and a conversion that saves a
+    checkpoint at the layout, take these."""
+    if cfg.model.num_experts is not None and cfg.parallel.tensor > 1 and not cfg.parallel.sequence_parallel:
+        # megatron-core's MoE layer raised a ValueError at the first training step.
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            "must be true to train a mixture-of-experts model with tensor parallelism (megatron-core's rule)",
             "set parallel.sequence_parallel=true",
         )
 

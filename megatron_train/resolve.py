@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_train.config import ExperimentConfig, ModelConfig, ParallelConfig, ProfileConfig
-from megatron_train.config_checks import validate_options
+from megatron_train.config_checks import validate_for_training, validate_options
 from megatron_train.config_loading import apply_overrides, check_paths_written_out, from_dict, read_yaml
 from megatron_train.errors import ConfigError, ConversionError, shown
 from megatron_train.hf.model_dir import is_hf_model_dir, read_hf_config
@@ -47,6 +47,7 @@ def resolve(path: str | Path, overrides: Sequence[str], world_size: int) -> Expe
 def validate(cfg: ExperimentConfig, world_size: int) -> int:
     """Options, then the files they name; returns the tokenizer's vocabulary size."""
     validate_options(cfg, world_size)
+    validate_for_training(cfg)
     return check_inputs(cfg)
 
 

@@ -1565,7 +1565,7 @@ CASES = [
             "model.preset=qwen3-moe-tiny",
             "parallel.tensor=2",
         ),
-        "must be true for a mixture-of-experts model with tensor parallelism",
+        "must be true to train a mixture-of-experts model with tensor parallelism",
     ),
     Case(
         "preflight-save-dir-under-file",
