@@ -185,19 +185,29 @@ def no_room(err: BaseException, what: str, fix: str) -> str | None:
     return None if cause is None else f"{what} could not be written ({cause}). Fix: {fix}"
 
 
+_stdout_full: str | None = None
+"""Why standard output took no more lines (:func:`say`), once it refused one."""
+
+
 def say(text: str) -> None:
     """Print a line of a tool's report on what it wrote. Where standard output has no room for it
-    (a file on a full disk), the line goes to stderr and the tool goes on: the error of an output
-    that could not be written would tell of outputs that were written."""
-    try:
-        print(text, flush=True)
-    except OSError as err:
-        if (cause := out_of_room(err)) is None:
-            raise
-        # Python's flush at exit would fail on what the buffer still holds.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        note = f"note: standard output had no room for this line ({cause}): {text}"
-        print(note, file=sys.stderr, flush=True)
+    (a file on a full disk), this line and the later ones go to stderr and the tool goes on: the
+    error of an output that could not be written would tell of outputs that were written."""
+    global _stdout_full
+    if _stdout_full is None:
+        try:
+            print(text, flush=True)
+            return
+        except OSError as err:
+            if (_stdout_full := out_of_room(err)) is None:
+                raise
+            # Python's flush at exit would fail on what the buffer still holds.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print(
+        f"note: standard output had no room for this line ({_stdout_full}): {text}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 P = ParamSpec("P")

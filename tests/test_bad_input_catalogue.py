@@ -2855,6 +2855,28 @@ def test_a_tool_whose_report_finds_no_room_keeps_what_it_wrote(ws, tmp_path, com
     assert str(tmp_path) in lines[-1]
 
 
+def test_a_tool_whose_report_finds_no_room_says_each_later_line_on_stderr(ws, tmp_path):
+    """Once standard output refused a line, it was sent to /dev/null, and the lines after it
+    (here the closing ``wrote ...`` after a note of datasets already written) were lost."""
+    (tmp_path / "text").mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        shutil.copy(ws / "corpus" / "stdlib.jsonl", tmp_path / "text" / name)
+    args = [sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "text"), "--output-dir",
+            str(tmp_path / "out"), "--tokenizer", str(ws / "corpus" / "spm.model"), "--tokenizer-type",
+            "sentencepiece"]  # fmt: skip
+    assert subprocess.run(args, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    for path in (tmp_path / "out").glob("b.*"):
+        path.unlink()
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(args, cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    notes = [
+        line for line in result.stderr.splitlines() if line.startswith("note: standard output had no room")
+    ]
+    assert len(notes) == 2 and "1 of 2 datasets already written" in notes[0] and "wrote " in notes[1]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["a.bin", "a.idx", "b.bin", "b.idx"]
+
+
 def test_readme_lists_exit_codes_per_entry_point():
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Exit codes") :]
