@@ -303,14 +303,19 @@ def test_interleaved_pipeline_matches_single_rank(tmp_path, corpus):
 
 def test_nan_loss_stops_with_the_step_in_one_line(tmp_path, corpus):
     """Every rank meets it at the same step (the loss and the norm are the job's), and each one
-    printed it: a line per rank, 512 on 512 GPUs."""
+    printed it: a line per rank, 512 on 512 GPUs; torch's agent added a log line of its own
+    ("failed (exitcode: 1) local_rank: 0 (pid: ...) of binary: ...") above the launcher's."""
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer={"lr": 1e30, "warmup_steps": 0}
     )
-    result = torchrun(2, config, "optimizer.clip_grad=0", "parallel.pipeline=2")
+    cmd = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_train.train", "--config", str(config), "optimizer.clip_grad=0",
+           "parallel.pipeline=2"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
-    [line] = [line for line in result.stderr.splitlines() if "is not finite" in line]
-    assert line.startswith("error: step ")
+    [line, launcher] = result.stderr.splitlines()
+    assert line.startswith("error: step ") and "is not finite" in line
+    assert launcher == "error: rank 0 failed first, with exit code 1; its output is above"
 
 
 def test_a_rank_killed_by_a_native_crash_prints_where_its_threads_were(tmp_path, corpus):
