@@ -4,6 +4,7 @@ traceback. Argument parsing, argument ranges and the reporting of bad-input erro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import math
@@ -11,9 +12,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn, ParamSpec
+from typing import NoReturn, ParamSpec, TextIO
 
 from megatron_train.errors import BAD_INPUT, Failure, denied, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
@@ -185,6 +186,11 @@ def no_room(err: BaseException, what: str, fix: str) -> str | None:
     return None if cause is None else f"{what} could not be written ({cause}). Fix: {fix}"
 
 
+def _stdout_to_devnull() -> None:
+    # Python's flush at exit would fail on what the buffer still holds.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 _stdout_full: str | None = None
 """Why standard output took no more lines (:func:`say`), once it refused one."""
 
@@ -201,13 +207,62 @@ def say(text: str) -> None:
         except OSError as err:
             if (_stdout_full := out_of_room(err)) is None:
                 raise
-            # Python's flush at exit would fail on what the buffer still holds.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _stdout_to_devnull()
     print(
         f"note: standard output had no room for this line ({_stdout_full}): {text}",
         file=sys.stderr,
         flush=True,
     )
+
+
+class _LogStream:
+    """Standard output whose lines are a log for people: one the file system has no room for is
+    dropped, with those after it, and a note on stderr."""
+
+    def __init__(self, stream: TextIO, goes_on: str) -> None:
+        self._stream, self._goes_on = stream, goes_on
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            self._drop(err)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            self._drop(err)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+    def _drop(self, err: OSError) -> None:
+        if (cause := out_of_room(err)) is None:
+            raise err
+        _stdout_to_devnull()
+        # stderr is often the same file (a Slurm rank log), with no more room for this.
+        with contextlib.suppress(OSError):
+            print(
+                f"note: standard output had no room for the log ({cause}); {self._goes_on}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+@contextlib.contextmanager
+def log_stream(goes_on: str) -> Iterator[None]:
+    """Inside, a line standard output has no room for (a log on a full disk or past its quota)
+    is dropped with the rest of the log, and a note saying ``goes_on``, rather than raised: a
+    long command (training) ended at its next log line, losing what it had done since its last
+    save, for want of room where only its log goes."""
+    previous = sys.stdout
+    sys.stdout = _LogStream(previous, goes_on)
+    try:
+        yield
+    finally:
+        sys.stdout = previous
 
 
 P = ParamSpec("P")

@@ -305,7 +305,9 @@ def _exit_status_problem(path: str) -> ConfigError | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = _main(argv)
+    goes_on = "training goes on without it, and metrics.jsonl in the run directory keeps the logged figures"
+    with cli.log_stream(goes_on):
+        code = _main(argv)
     if code not in (EXIT_OK, EXIT_STOPPED_EARLY):  # those were reported before the final barrier
         report_exit_status(code)
     return code

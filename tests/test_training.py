@@ -318,6 +318,22 @@ def test_nan_loss_stops_with_the_step_in_one_line(tmp_path, corpus):
     assert launcher == "error: rank 0 failed first, with exit code 1; its output is above"
 
 
+def test_a_log_without_room_leaves_the_run_training(tmp_path, corpus):
+    """Standard output on a full disk (a log in a home folder past its quota, say): the run ended
+    at its first line with exit code 1 and a line blaming its run directory, and a log that
+    filled up later ended a run, unsaved, at its next line."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", checkpoint={"interval": 2})
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "megatron_train.train", "--config", str(config)],
+            cwd=ROOT, env=torchrun_env(), stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("note: standard output had no room for the log") == 1
+    assert [r["step"] for r in records(tmp_path / "run") if "loss" in r] == list(range(1, 7))
+    assert (tmp_path / "run" / "checkpoints" / "iter_0000006").is_dir()
+
+
 def test_a_rank_killed_by_a_native_crash_prints_where_its_threads_were(tmp_path, corpus):
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400})
     cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config)]
