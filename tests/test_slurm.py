@@ -119,12 +119,14 @@ def submit(
     )
 
 
-def sbatch_rank_per_node(slurm: dict, config: Path, logs: Path, *options: str, nodes: int = 1) -> str:
+def sbatch_rank_per_node(
+    slurm: dict, config: Path, logs: Path, *options: str, nodes: int = 1, python: str = sys.executable
+) -> str:
     """A job of the batch script, one rank on each of ``nodes`` nodes, submitted with sbatch itself
     with ``options``; its id."""
     logs.mkdir()
     env = {**slurm, "MT_CONFIG": str(config), "MT_LOG_DIR": str(logs), "MT_REPO": str(ROOT),
-           "MT_PYTHON": sys.executable}  # fmt: skip
+           "MT_PYTHON": python}  # fmt: skip
     return _run("sbatch", "--parsable", *options, f"--nodes={nodes}", "--ntasks-per-node=1",
                 f"--output={logs}/%x-%j.out", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"),
                 f"parallel.tensor={nodes}", env=env).stdout.strip()  # fmt: skip
@@ -279,6 +281,23 @@ def test_a_node_that_cannot_start_its_ranks_fails_the_job_at_once(slurm, corpus,
     batch_log = (logs / f"megatron-train-{job}.out").read_text()
     assert f"error: job {job} cannot start its ranks on nodes n{nodes}: rank {nodes - 1} on node n{nodes}" \
         " cannot write its log" in batch_log  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_node_whose_python_lacks_the_project_fails_the_job_at_once(slurm, corpus, tmp_path):
+    """A node-local environment that lacks torch (here n2's python runs without site-packages):
+    its rank died in an import traceback, and the job failed naming only the exit code."""
+    python = tmp_path / "python"
+    n2_without_site = f'[[ $SLURMD_NODENAME == n2 ]] && exec {sys.executable} -S "$@"'
+    python.write_text(f'#!/bin/bash\n{n2_without_site}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    logs = tmp_path / "logs"
+    job = sbatch_rank_per_node(slurm, config, logs, nodes=2, python=str(python))
+    assert wait_for_job(slurm, job, timeout=120) == "FAILED"
+    batch_log = (logs / f"megatron-train-{job}.out").read_text()
+    assert f"error: job {job} cannot start its ranks on nodes n2: rank 1 on node n2 cannot import torch" \
+        f" and megatron_train with {python} (MT_PYTHON)" in batch_log  # fmt: skip
     assert not (tmp_path / "run").exists()
 
 
