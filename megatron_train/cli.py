@@ -258,6 +258,9 @@ def log_stream(goes_on: str) -> Iterator[None]:
     long command (training) ended at its next log line, losing what it had done since its last
     save, for want of room where only its log goes."""
     previous = sys.stdout
+    if previous is None:  # started without one (``>&-``): print() writes nothing, as it should
+        yield
+        return
     sys.stdout = _LogStream(previous, goes_on)
     try:
         yield
@@ -324,8 +327,9 @@ def _end_by_sigterm() -> NoReturn:
     why; ours would be a second, misleading line)."""
     if os.environ.get("WORLD_SIZE", "1") == "1":
         report("terminated (SIGTERM) before it finished; nothing half-written was kept. Fix: run it again")
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: started with it closed (``>&-``)
+            stream.flush()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
     while True:  # the signal ends the process as soon as it is delivered

@@ -332,4 +332,5 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None: started with it closed (``>&-``)
+            sys.stdout.flush()

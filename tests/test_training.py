@@ -318,18 +318,22 @@ def test_nan_loss_stops_with_the_step_in_one_line(tmp_path, corpus):
     assert launcher == "error: rank 0 failed first, with exit code 1; its output is above"
 
 
-def test_a_log_without_room_leaves_the_run_training(tmp_path, corpus):
+@pytest.mark.parametrize("stdout", ["full", "closed"])
+def test_a_log_without_room_leaves_the_run_training(tmp_path, corpus, stdout):
     """Standard output on a full disk (a log in a home folder past its quota, say): the run ended
     at its first line with exit code 1 and a line blaming its run directory, and a log that
-    filled up later ended a run, unsaved, at its next line."""
+    filled up later ended a run, unsaved, at its next line. One closed (``>&-``) ended the run
+    in a traceback as it closed its log."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", checkpoint={"interval": 2})
+    closed = (lambda: os.close(1)) if stdout == "closed" else None
     with open("/dev/full", "w") as full:
         result = subprocess.run(
             [sys.executable, "-m", "megatron_train.train", "--config", str(config)],
-            cwd=ROOT, env=torchrun_env(), stdout=full, stderr=subprocess.PIPE, text=True, timeout=300,
+            cwd=ROOT, env=torchrun_env(), stderr=subprocess.PIPE, text=True, timeout=300,
+            stdout=full if stdout == "full" else None, preexec_fn=closed,
         )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count("note: standard output had no room for the log") == 1
+    assert result.stderr.count("note: standard output had no room for the log") == (stdout == "full")
     assert [r["step"] for r in records(tmp_path / "run") if "loss" in r] == list(range(1, 7))
     assert (tmp_path / "run" / "checkpoints" / "iter_0000006").is_dir()
 
