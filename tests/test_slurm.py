@@ -317,6 +317,25 @@ def test_a_stop_save_that_cannot_be_requeued_fails_the_job_with_a_line(slurm, co
     assert "could not be requeued (scontrol's line above says why): submit it again to resume" in batch_log
 
 
+@pytest.mark.parametrize("count", ["twenty", "-1", "9223372036854775808"])
+def test_the_batch_script_refuses_a_requeue_count_it_cannot_compare_before_anything(tmp_path, count):
+    """Read at the first stop, hours in: bash took a word for 0 requeues and wrapped a count past
+    63 bits, and the job ended as "already requeued twenty times"."""
+    env = {
+        **os.environ,
+        "MT_CONFIG": "cfg.yaml",
+        "MT_MAX_REQUEUES": count,
+        "MT_LOG_DIR": str(tmp_path / "logs"),
+    }
+    result = _run("bash", str(ROOT / "launch" / "slurm" / "pretrain.sbatch"), env=env, check=False)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"error: MT_MAX_REQUEUES='{count}' is not a count of requeues. Fix: export a whole number such as "
+        "20 (launch/submit.py --max-requeues sets it)"
+    ]
+    assert not (tmp_path / "logs").exists()
+
+
 def test_sbatch_script_is_valid_bash():
     assert _run("bash", "-n", str(ROOT / "launch" / "slurm" / "pretrain.sbatch")).returncode == 0
 
