@@ -187,8 +187,11 @@ def no_room(err: BaseException, what: str, fix: str) -> str | None:
 
 
 def _stdout_to_devnull() -> None:
-    # Python's flush at exit would fail on what the buffer still holds.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    """Standard output sent to /dev/null, once it failed: Python's flush at exit would fail the
+    same way on what its buffer still holds."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 _stdout_full: str | None = None
@@ -293,9 +296,8 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
             return EXIT_INTERRUPTED
         except BrokenPipeError:
             # The reader of the output went away (``inspect_checkpoint.py ... | head``): nothing
-            # to report, and no one to report it to. stdout goes to /dev/null so that Python's
-            # flush at exit does not fail the same way.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            # to report, and no one to report it to.
+            _stdout_to_devnull()
             return EXIT_READER_GONE
         except BaseException as err:  # torch's CheckpointException is a BaseException
             if line := unusable_path(err) or denied(err):
