@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_train.config import ExperimentConfig, ModelConfig, data_parallel_size
+from megatron_train.config_checks import validate_for_training, validate_options
 from megatron_train.errors import ConfigError
 from megatron_train.host_memory import physical_memory
 from megatron_train.models.common import one_pass_loss
@@ -165,23 +166,29 @@ def _selective_modules(m: ModelConfig) -> list[str]:
     return ["mlp" if m.num_experts is None else "moe", "layernorm"]
 
 
+_RECOMPUTE_SETTINGS = ("recompute_modules", "recompute_method", "recompute_num_layers")
+
+
 def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) -> list[str]:
     """Up to three layouts of ``world_size`` GPUs (TP within a node, PP, CP, recompute) that fit,
     least model parallelism and recompute first, as override strings."""
-    m, seq = cfg.model, cfg.data.seq_length
+    m = cfg.model
     modules = _selective_modules(m)
     overrides = {
         "none": "",
         "selective": f" model.recompute=selective model.recompute_modules=[{','.join(modules)}]",
         "full": " model.recompute=full",
     }
+    default = ModelConfig()
+    unset = {k: getattr(default, k) for k in _RECOMPUTE_SETTINGS}
+    recomputes = {
+        "none": dict(unset, recompute="none"),
+        "selective": dict(unset, recompute="selective", recompute_modules=modules),
+        "full": {"recompute": "full", "recompute_modules": unset["recompute_modules"]},
+    }
     found = []
     sizes = itertools.product(("none", "selective", "full"), (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16))
     for recompute, tensor, pipeline, context in sizes:
-        if world_size % (tensor * pipeline * context) or m.num_layers % pipeline or m.query_groups % tensor:
-            continue
-        if seq % (2 * context) or (seq // context) % tensor:
-            continue
         parallel = dataclasses.replace(
             cfg.parallel,
             tensor=tensor,
@@ -190,10 +197,13 @@ def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) 
             context=context,
             sequence_parallel=tensor > 1,
         )
-        model = dataclasses.replace(m, recompute=recompute, recompute_modules=modules)
+        model = dataclasses.replace(m, **recomputes[recompute])
         trial = dataclasses.replace(cfg, parallel=parallel, model=model)
-        dp = data_parallel_size(trial, world_size)
-        if trial.train.global_batch_size % (trial.train.micro_batch_size * dp):
+        # Only what training would accept: the experts' layout, heads, widths, batch and the rest.
+        try:
+            validate_options(trial, world_size)
+            validate_for_training(trial)
+        except ConfigError:
             continue
         if estimate(trial, world_size).total <= limit_bytes:
             extra = overrides[recompute]

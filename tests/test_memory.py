@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from megatron_train.memory import estimate
+from megatron_train.config_checks import validate_for_training, validate_options
+from megatron_train.memory import estimate, fitting_layouts
 from megatron_train.preflight import main as preflight
 from megatron_train.resolve import load_config
 from tests.conftest import ROOT, run_tool, write_config
@@ -89,3 +90,20 @@ def test_the_long_context_config_fits_thanks_to_context_parallelism():
     assert estimate(cfg, 64).total < 60 * 2**30
     without = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, context=1))
     assert estimate(without, 64).total > 80 * 2**30
+
+
+@pytest.mark.parametrize("gib", [0.5, 50, 60])
+def test_the_layouts_named_when_a_job_does_not_fit_are_ones_training_accepts(gib):
+    """The search over TP x PP x CP x recompute kept the config's expert parallelism: at EP8 on 32
+    GPUs a trial at PP8 left no expert-data-parallel rank, and preflight ended in a
+    ZeroDivisionError where it should have named layouts or said none fits."""
+    path = ROOT / "configs" / "qwen3_30b_a3b.yaml"
+    cfg = load_config(path)
+    assert cfg.parallel.expert == 8
+    fits = fitting_layouts(cfg, 32, gib * 2**30)
+    assert bool(fits) == (gib > 1)
+    for layout in fits:
+        trial = load_config(path, layout.split())
+        validate_options(trial, 32)
+        validate_for_training(trial)
+        assert estimate(trial, 32).total <= gib * 2**30, layout
