@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import reprlib
 from pathlib import Path
 
@@ -89,6 +90,26 @@ def _inner(err: BaseException) -> list[BaseException]:
     ``failures``, and writer processes chain theirs as the cause."""
     inner = [exc for exc, _ in getattr(err, "failures", {}).values()] + [err.__cause__]
     return [exc for exc in inner if exc is not None]
+
+
+# What gloo and NCCL say of a collective whose peer process went away.
+_PEER_GONE = re.compile(
+    r"Connection (?:closed|reset) by peer(?: \[[^\]]*\]:\d+)?"
+    r"|remote process exit\w*(?: or there was a network error)?"
+)
+
+
+def peer_gone(err: BaseException) -> str | None:
+    """gloo's or NCCL's words (without gloo's source location) where ``err``, or an error it was
+    raised in handling, is a collective that failed because another rank's process went away,
+    most often by failing first; None for any other error."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, RuntimeError) and (found := _PEER_GONE.search(str(err))):
+            return found[0].strip()
+        err = err.__cause__ or err.__context__
+    return None
 
 
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)

@@ -34,7 +34,7 @@ from megatron_train.config import (
     to_dict,
 )
 from megatron_train.config_loading import override_for_option
-from megatron_train.errors import BAD_INPUT
+from megatron_train.errors import BAD_INPUT, peer_gone
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
@@ -363,7 +363,13 @@ def _main(argv: list[str] | None) -> int:
             "free space where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run it again"
         )
         if (line := cli.no_room(err, "a file of the run", where)) is None:
-            raise
+            if (gone := peer_gone(err)) is None:
+                raise
+            # The rank that went first says why; a traceback per rank here would bury its line.
+            line = (
+                f"stopped: another rank's process went away during a collective ({gone}). "
+                "Fix: see that rank's error above (or in its log)"
+            )
         print(f"error on rank {rt.rank}: {line}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     finally:

@@ -318,6 +318,42 @@ def test_nan_loss_stops_with_the_step_in_one_line(tmp_path, corpus):
     assert launcher == "error: rank 0 failed first, with exit code 1; its output is above"
 
 
+# In a mount namespace of its own: the run directory on a small tmpfs that fills up once the run
+# has logged its first step, as a shared disk does when another job writes to it.
+FILLS_UP = """
+mount -t tmpfs -o size=32m tmpfs "$1" || exit 99
+dir=$1; shift
+"$@" &
+until [ -s "$dir/run/metrics.jsonl" ]; do sleep 0.1; done
+head -c 32m /dev/zero > "$dir/filler" 2>/dev/null
+wait $!
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a tmpfs of its own needs root")
+def test_a_disk_that_fills_under_rank_zero_ends_the_run_in_a_line_per_rank(tmp_path, corpus):
+    """Rank 0's log file found no room, and rank 0 said so in one line; rank 1, waiting on rank 0
+    in its next collective, ended in a 40-line traceback of gloo's "Connection closed by peer"
+    that buried it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, disk / "run", train={"steps": 1000}, logging={"log_interval": 1}
+    )
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", FILLS_UP, "sh", str(disk),
+           sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_train.train", "--config", str(config), "checkpoint.interval=0"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 3 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[0].startswith("error on rank 0: a file of the run could not be written ([Errno 28] "), lines
+    gone = "error on rank 1: stopped: another rank's process went away during a collective"
+    assert lines[1].startswith(f"{gone} (Connection closed by peer ["), lines
+    assert lines[1].endswith("). Fix: see that rank's error above (or in its log)"), lines
+    assert lines[2] == "error: rank 0 failed first, with exit code 1; its output is above"
+
+
 @pytest.mark.parametrize("stdout", ["full", "closed"])
 def test_a_log_without_room_leaves_the_run_training(tmp_path, corpus, stdout):
     """Standard output on a full disk (a log in a home folder past its quota, say): the run ended
