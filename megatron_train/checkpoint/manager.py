@@ -176,7 +176,7 @@ def _write_failure(rank: int, err: BaseException) -> str:
             f"rank {rank}'s checkpoint writer process was killed, or crashed, before it finished "
             "(the out-of-memory killer often picks it: it holds a host copy of the rank's state)"
         )
-    return errors.reason(err)
+    return errors.out_of_room(err) or errors.reason(err)
 
 
 @contextlib.contextmanager
