@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from megatron_train import json_text
+from megatron_train.checkpoint.files import write_atomic
 from megatron_train.config import RUN_FOLDERS, ConfigError, ExperimentConfig, to_dict
 from megatron_train.errors import reason, shown
 from megatron_train.models.registry import family_of
@@ -204,7 +205,9 @@ class MetricsLogger:
             self._tensorboard = SummaryWriter(
                 self.run_dir / RUN_FOLDERS["logging.tensorboard"].name, purge_step=step + 1
             )
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
+        # Whole or not at all: a start on a full disk left the run's config.yaml torn, and beside
+        # its metrics an empty temporary file.
+        write_atomic(self.run_dir / "config.yaml", yaml.safe_dump(to_dict(self.cfg), sort_keys=False))
         path = self.run_dir / "metrics.jsonl"
         if path.exists():
             kept = []
@@ -213,9 +216,7 @@ class MetricsLogger:
                 record = _record(line)
                 if record is not None and record.get("step", 0) <= step:
                     kept.append(line + "\n")
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(kept))
-            tmp.replace(path)
+            write_atomic(path, "".join(kept))
         self._file = open(path, "a")
 
     def _write(self, record: dict, group: str) -> None:

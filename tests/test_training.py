@@ -354,6 +354,43 @@ def test_a_disk_that_fills_under_rank_zero_ends_the_run_in_a_line_per_rank(tmp_p
     assert lines[2] == "error: rank 0 failed first, with exit code 1; its output is above"
 
 
+# In a mount namespace of its own: a run saved on a small tmpfs, which then fills up before the
+# run is resumed.
+RESUMED_ON_A_FULL_DISK = """
+mount -t tmpfs -o size=64m tmpfs "$1" || exit 99
+disk=$1; out=$2; shift 2
+"$@" train.steps=2 > "$out/first.log" 2>&1 || exit 98
+(cd "$disk/run" && find . -type f -exec sha256sum {} + | sort) > "$out/before"
+head -c 64m /dev/zero > "$disk/filler" 2>/dev/null
+"$@" train.steps=4 > "$out/resume.out" 2> "$out/resume.err"
+echo $? > "$out/resume.rc"
+(cd "$disk/run" && find . -type f -exec sha256sum {} + | sort) > "$out/after"
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a tmpfs of its own needs root")
+def test_a_resume_on_a_full_disk_fails_in_one_line_and_leaves_the_run_as_it_was(tmp_path, corpus):
+    """A start rewrote the run's config.yaml in place (a full disk tore it) and left an empty
+    metrics.jsonl.tmp beside the metrics it meant to trim."""
+    disk, out = tmp_path / "disk", tmp_path / "out"
+    disk.mkdir()
+    out.mkdir()
+    config = write_config(tmp_path / "cfg.yaml", corpus, disk / "run", checkpoint={"interval": 2})
+    train = [sys.executable, "-m", "megatron_train.train", "--config", str(config)]
+    train.append("optimizer.warmup_steps=1")
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", RESUMED_ON_A_FULL_DISK, "sh",
+           str(disk), str(out), *train]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stderr, (out / "first.log").read_text()[-3000:])
+    assert (out / "resume.rc").read_text().strip() == "1"
+    err = (out / "resume.err").read_text()
+    [line] = [line for line in err.splitlines() if line.strip()]
+    assert line.startswith("error on rank 0: a file of the run could not be written ([Errno 28] "), err
+    before = (out / "before").read_text()
+    assert "config.yaml" in before and "iter_0000002" in before
+    assert (out / "after").read_text() == before
+
+
 @pytest.mark.parametrize("stdout", ["full", "closed"])
 def test_a_log_without_room_leaves_the_run_training(tmp_path, corpus, stdout):
     """Standard output on a full disk (a log in a home folder past its quota, say): the run ended
