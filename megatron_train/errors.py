@@ -112,6 +112,27 @@ def peer_gone(err: BaseException) -> str | None:
     return None
 
 
+# torch's words for a loader worker that found /dev/shm full: an allocation it refused, or the
+# SIGBUS of a write past what it had.
+_SHM_FULL = re.compile(r"unable to allocate shared memory\(shm\)|out of shared memory")
+
+
+def out_of_shared_memory(err: BaseException) -> str | None:
+    """Why ``err`` says shared memory (``/dev/shm``, where data loader workers hand their batches
+    over) is full, or None: torch's report of a worker that found no room, or the ENOSPC of a
+    semaphore multiprocessing could not create there (a loader's queues need some)."""
+    text = str(err)
+    if isinstance(err, RuntimeError) and _SHM_FULL.search(text):
+        return next((line.strip() for line in reversed(text.splitlines()) if _SHM_FULL.search(line)), "")
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename is None:
+        tb = err.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.endswith(os.path.join("multiprocessing", "synchronize.py")):
+                return f"a semaphore could not be created: {reason(err)}"
+            tb = tb.tb_next
+    return None
+
+
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 

@@ -34,7 +34,7 @@ from megatron_train.config import (
     to_dict,
 )
 from megatron_train.config_loading import override_for_option
-from megatron_train.errors import BAD_INPUT, peer_gone
+from megatron_train.errors import BAD_INPUT, out_of_shared_memory, peer_gone
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
@@ -359,17 +359,8 @@ def _main(argv: list[str] | None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     except BaseException as err:  # torch's CheckpointException is a BaseException
-        where = (
-            "free space where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run it again"
-        )
-        if (line := cli.no_room(err, "a file of the run", where)) is None:
-            if (gone := peer_gone(err)) is None:
-                raise
-            # The rank that went first says why; a traceback per rank here would bury its line.
-            line = (
-                f"stopped: another rank's process went away during a collective ({gone}). "
-                "Fix: see that rank's error above (or in its log)"
-            )
+        if (line := failure_line(err)) is None:
+            raise
         print(f"error on rank {rt.rank}: {line}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     finally:
@@ -378,6 +369,26 @@ def _main(argv: list[str] | None) -> int:
         state = "done" if exit_code == EXIT_OK else "stopped early (checkpoint saved)"
         print(f"{state}. run directory: {run_dir.resolve()}", flush=True)
     return exit_code
+
+
+def failure_line(err: BaseException) -> str | None:
+    """The line (without ``error on rank N:``) for a failure of the machine rather than of the
+    code, which a traceback would only bury; None for any other error."""
+    if (shm := out_of_shared_memory(err)) is not None:
+        return (
+            f"the data loader's worker processes found shared memory (/dev/shm) full ({shm}). Fix: give the "
+            "job more shared memory (a container's --shm-size) or set data.num_workers=0"
+        )
+    where = "free space where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run it again"
+    if (line := cli.no_room(err, "a file of the run", where)) is not None:
+        return line
+    if (gone := peer_gone(err)) is not None:
+        # The rank that went first says why; a traceback per rank here would bury its line.
+        return (
+            f"stopped: another rank's process went away during a collective ({gone}). "
+            "Fix: see that rank's error above (or in its log)"
+        )
+    return None
 
 
 if __name__ == "__main__":

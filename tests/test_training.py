@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_train.errors import out_of_shared_memory
 from tests.conftest import ROOT, records, single_rank, torchrun, torchrun_env, train_losses, write_config
 
 # One xdist worker runs this module, so its module-scoped reference runs are built once.
@@ -389,6 +390,52 @@ def test_a_resume_on_a_full_disk_fails_in_one_line_and_leaves_the_run_as_it_was(
     before = (out / "before").read_text()
     assert "config.yaml" in before and "iter_0000002" in before
     assert (out / "after").read_text() == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a /dev/shm of its own needs root")
+def test_loader_workers_that_find_shared_memory_full_end_the_run_in_one_line(tmp_path, corpus):
+    """A container's small /dev/shm (Docker's default is 64 MB), in which the loader's workers
+    cannot hand over a batch: the run ended in torch's 40-line traceback of a worker's error."""
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", model={"max_position_embeddings": 512}
+    )
+    # Room for the loader's queues, not for one batch of 64 x 513 tokens (four tensors of 128 KiB
+    # to 256 KiB each).
+    train = [sys.executable, "-m", "megatron_train.train", "--config", str(config), "data.num_workers=2",
+             "train.micro_batch_size=64", "train.global_batch_size=64", "data.seq_length=512"]  # fmt: skip
+    script = 'mount -t tmpfs -o size=512k tmpfs /dev/shm && exec "$@"'
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *train]
+    result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    full = "error on rank 0: the data loader's worker processes found shared memory (/dev/shm) full"
+    assert line.startswith(f"{full} (RuntimeError: unable to allocate shared memory(shm) for file "), line
+    assert line.endswith(
+        "Fix: give the job more shared memory (a container's --shm-size) or set data.num_workers=0"
+    )
+
+
+FULL_SHM_QUEUE = """
+import multiprocessing
+from megatron_train.errors import out_of_shared_memory
+try:
+    multiprocessing.Queue()
+except OSError as err:
+    print(out_of_shared_memory(err))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a /dev/shm of its own needs root")
+def test_a_semaphore_that_shared_memory_has_no_room_for_is_told_from_a_full_disk():
+    """The loader's queues need semaphores in /dev/shm; multiprocessing's ENOSPC for one names no
+    file, as a write to a full disk does not, and the run blamed its run directory."""
+    script = 'mount -t tmpfs -o size=4k tmpfs /dev/shm && head -c 4k /dev/zero > /dev/shm/full; exec "$@"'
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", sys.executable, "-c",
+           FULL_SHM_QUEUE]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "a semaphore could not be created: [Errno 28] No space left on device"
+    assert out_of_shared_memory(OSError(28, "No space left on device")) is None
 
 
 @pytest.mark.parametrize("stdout", ["full", "closed"])
