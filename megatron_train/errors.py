@@ -133,6 +133,20 @@ def out_of_shared_memory(err: BaseException) -> str | None:
     return None
 
 
+# torch's words for a loader worker process that a signal ended, or that exited.
+_WORKER_LOST = re.compile(
+    r"DataLoader worker \(pids?(?:\(s\))? [^)]*\) "
+    r"(?:is killed by signal: [^.]+|exited unexpectedly(?: with exit code -?\d+)?)"
+)
+
+
+def loader_worker_lost(err: BaseException) -> str | None:
+    """torch's words where ``err`` reports a data loader worker process that went away (killed:
+    the out-of-memory killer's SIGKILL most often), or None."""
+    found = _WORKER_LOST.search(str(err)) if isinstance(err, RuntimeError) else None
+    return found[0] if found else None
+
+
 _REFUSED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 

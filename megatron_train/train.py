@@ -34,7 +34,7 @@ from megatron_train.config import (
     to_dict,
 )
 from megatron_train.config_loading import override_for_option
-from megatron_train.errors import BAD_INPUT, out_of_shared_memory, peer_gone
+from megatron_train.errors import BAD_INPUT, loader_worker_lost, out_of_shared_memory, peer_gone
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
@@ -378,6 +378,12 @@ def failure_line(err: BaseException) -> str | None:
         return (
             f"the data loader's worker processes found shared memory (/dev/shm) full ({shm}). Fix: give the "
             "job more shared memory (a container's --shm-size) or set data.num_workers=0"
+        )
+    if (lost := loader_worker_lost(err)) is not None:
+        return (
+            f"a data loader worker process went away ({lost}; the out-of-memory killer sends SIGKILL: "
+            "see dmesg). Fix: leave the loader more memory (fewer data.num_workers), then run the same "
+            "command to resume from the last checkpoint"
         )
     where = "free space where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run it again"
     if (line := cli.no_room(err, "a file of the run", where)) is not None:

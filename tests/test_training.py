@@ -9,8 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from megatron_train.errors import out_of_shared_memory
@@ -413,6 +415,36 @@ def test_loader_workers_that_find_shared_memory_full_end_the_run_in_one_line(tmp
     assert line.endswith(
         "Fix: give the job more shared memory (a container's --shm-size) or set data.num_workers=0"
     )
+
+
+def test_a_loader_worker_that_is_killed_ends_the_run_in_one_line(tmp_path, corpus):
+    """The out-of-memory killer's usual victim on a busy node: the run ended in a traceback of
+    torch's "DataLoader worker (pid N) is killed by signal: Killed"."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000})
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), "data.num_workers=2",
+           "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.async_save=false",
+           "logging.log_interval=1"]  # fmt: skip
+    run = subprocess.Popen(
+        cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        trainer = psutil.Process(run.pid)
+        # The loader's workers are forks of the training process; the results server is not.
+        [worker, _] = [child for child in trainer.children() if child.cmdline() == trainer.cmdline()]
+        worker.kill()
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err[-3000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"error on rank 0: a data loader worker process went away (DataLoader worker (pid {worker.pid}) is "
+        "killed by signal: Killed; the out-of-memory killer sends SIGKILL: see dmesg). Fix: leave the loader "
+        "more memory (fewer data.num_workers), then run the same command to resume from the last checkpoint"
+    ]
 
 
 FULL_SHM_QUEUE = """
