@@ -112,9 +112,9 @@ def peer_gone(err: BaseException) -> str | None:
     return None
 
 
-# torch's words for a loader worker that found /dev/shm full: an allocation it refused, or the
-# SIGBUS of a write past what it had.
-_SHM_FULL = re.compile(r"unable to allocate shared memory\(shm\)|out of shared memory")
+# torch's words for a loader worker that found /dev/shm full. (A worker's SIGBUS, which torch
+# puts down to it too, is as often a dataset file that shrank under its memory map.)
+_SHM_FULL = re.compile(r"unable to allocate shared memory\(shm\)")
 
 
 def out_of_shared_memory(err: BaseException) -> str | None:

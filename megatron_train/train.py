@@ -380,10 +380,13 @@ def failure_line(err: BaseException) -> str | None:
             "job more shared memory (a container's --shm-size) or set data.num_workers=0"
         )
     if (lost := loader_worker_lost(err)) is not None:
+        why, fix = "the out-of-memory killer sends SIGKILL: see dmesg", "leave the loader more memory"
+        if "Bus error" in lost:
+            why = "a file it mapped shrank (a dataset rewritten while the run reads it), or /dev/shm is full"
+            fix = "keep datasets unchanged while a run reads them, give the job more shared memory"
         return (
-            f"a data loader worker process went away ({lost}; the out-of-memory killer sends SIGKILL: "
-            "see dmesg). Fix: leave the loader more memory (fewer data.num_workers), then run the same "
-            "command to resume from the last checkpoint"
+            f"a data loader worker process went away ({lost}; {why}). Fix: {fix} or set fewer "
+            "data.num_workers, then run the same command to resume from the last checkpoint"
         )
     where = "free space where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run it again"
     if (line := cli.no_room(err, "a file of the run", where)) is not None:

@@ -443,7 +443,8 @@ def test_a_loader_worker_that_is_killed_ends_the_run_in_one_line(tmp_path, corpu
     assert [line for line in err.splitlines() if line.strip()] == [
         f"error on rank 0: a data loader worker process went away (DataLoader worker (pid {worker.pid}) is "
         "killed by signal: Killed; the out-of-memory killer sends SIGKILL: see dmesg). Fix: leave the loader "
-        "more memory (fewer data.num_workers), then run the same command to resume from the last checkpoint"
+        "more memory or set fewer data.num_workers, then run the same command to resume from the last "
+        "checkpoint"
     ]
 
 
