@@ -68,8 +68,12 @@ def failure_line(err: ChildFailedError) -> str:
         name = signal.Signals(-first.exitcode).name
     except ValueError:
         name = f"signal {-first.exitcode}"
-    # A killed rank prints nothing: the kernel log says who killed it.
-    who = " (the out-of-memory killer sends it: see dmesg)" if -first.exitcode == signal.SIGKILL else ""
+    # A killed rank prints nothing: the kernel log says who killed it. A SIGBUS is a read through
+    # a memory map past the end of its file, which the datasets are.
+    who = {
+        signal.SIGKILL: " (the out-of-memory killer sends it: see dmesg)",
+        signal.SIGBUS: " (a file it had mapped shrank: a dataset rewritten or cut while the run read it)",
+    }.get(-first.exitcode, "")
     return f"rank {rank} was killed by {name}{who} before any other rank failed"
 
 

@@ -47,6 +47,7 @@ def test_the_first_ranks_reported_code_is_the_launchers(codes, expected):
         ((1, -15), "rank 0 failed first, with exit code 1; its output is above"),
         ((-9, -15), "rank 0 was killed by SIGKILL (the out-of-memory killer sends it: see dmesg)"),
         ((-11, 1), "rank 0 was killed by SIGSEGV before any other rank failed"),
+        ((-7, -15), "rank 0 was killed by SIGBUS (a file it had mapped shrank: a dataset rewritten or cut"),
     ],
 )
 def test_the_launcher_names_the_first_failed_rank_and_how_it_ended(codes, says):
