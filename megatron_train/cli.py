@@ -9,6 +9,7 @@ import functools
 import gc
 import math
 import os
+import select
 import signal
 import sys
 import time
@@ -194,6 +195,17 @@ def _stdout_to_devnull() -> None:
     os.close(devnull)
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader went away (poll reports an error on it)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # None (started with it closed), or no descriptor
+        return False
+    watch = select.poll()
+    watch.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in watch.poll(0))
+
+
 _stdout_full: str | None = None
 """Why standard output took no more lines (:func:`say`), once it refused one."""
 
@@ -295,6 +307,8 @@ def entry_point(main: Callable[P, int]) -> Callable[P, int]:
                 report("interrupted before it finished; nothing half-written was kept. Fix: run it again")
             return EXIT_INTERRUPTED
         except BrokenPipeError:
+            if not _stdout_reader_gone():
+                raise  # a socket, or a pipe to another process: not the output's reader
             # The reader of the output went away (``inspect_checkpoint.py ... | head``): nothing
             # to report, and no one to report it to.
             _stdout_to_devnull()

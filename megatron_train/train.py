@@ -355,7 +355,9 @@ def _main(argv: list[str] | None) -> int:
             )
         return cli.EXIT_INTERRUPTED
     except SaveFailed as err:
-        if rt.is_main:
+        if err.alone:
+            print(f"error on rank {rt.rank}: {err}", file=sys.stderr)
+        elif rt.is_main:
             print(f"error: {err}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
     except BaseException as err:  # torch's CheckpointException is a BaseException

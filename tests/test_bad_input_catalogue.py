@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_train import data_cache
+from megatron_train import cli, data_cache
 from megatron_train.token_writer import TokenWriter
 from tests.conftest import ROOT, load_tool, run_tool, write_config
 
@@ -2802,6 +2802,23 @@ def test_a_command_whose_output_pipe_closes_ends_quietly(ws):
     finally:
         os.close(write)
     assert (result.returncode, result.stderr) == (141, "")
+
+
+def test_a_broken_pipe_that_is_not_the_outputs_is_not_taken_for_its_reader_gone():
+    """A pipe or socket to another process that broke (a helper process killed) ended a command
+    as if its output's reader had gone: exit code 141 and not a word."""
+
+    def talks_to_a_dead_helper() -> int:
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            os.write(write, b"x")
+        finally:
+            os.close(write)
+        return 0
+
+    with pytest.raises(BrokenPipeError):
+        cli.entry_point(talks_to_a_dead_helper)()
 
 
 @pytest.mark.parametrize(

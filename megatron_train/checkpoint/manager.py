@@ -67,8 +67,13 @@ logging.getLogger(megatron_compat.ASYNC_WRITER_LOGGER).addFilter(
 
 class SaveFailed(RuntimeError):
     """A checkpoint's files could not be written (a full disk, a lost mount); raised on every rank
-    together, the message is rank 0's. Earlier checkpoints are untouched: the run stops with exit 1
-    and the same command resumes from the newest complete one."""
+    together, the message is rank 0's, unless ``alone``: raised by the one rank that met it.
+    Earlier checkpoints are untouched: the run stops with exit 1 and the same command resumes from
+    the newest complete one."""
+
+    def __init__(self, message: str, alone: bool = False) -> None:
+        super().__init__(message)
+        self.alone = alone
 
 
 # How far below training the background writer runs (os.nice). Its files are not urgent; the
@@ -116,7 +121,11 @@ def _in_writer(write: Callable, started_fd: int) -> Callable:
         os.register_at_fork(after_in_child=lambda: _end_with(writer_pid))
         os.write(started_fd, b"s")
         os.nice(WRITER_NICENESS)
-        return write(*args, **kwargs)
+        try:
+            return write(*args, **kwargs)
+        except (ConnectionError, EOFError):
+            # Its results server is gone, so the result cannot reach the rank, which says so.
+            os._exit(1)
 
     return run
 
@@ -368,15 +377,25 @@ class Checkpointer:
         except CheckpointException as err:
             causes = sorted({_write_failure(rank, exc) for rank, (exc, _) in err.failures.items()})
             raise self._save_failed(*self._writing, "; ".join(causes) or "see rank 0") from None
+        except (ConnectionError, EOFError):
+            if self._results is None or self._results.running():
+                raise
+            # Its writer could not report either; the save is torn, and this rank alone knows.
+            cause = (
+                f"rank {torch.distributed.get_rank()}'s checkpoint results server (pid {self._results.pid}), "
+                "which its writer reports to, was killed"
+            )
+            raise self._save_failed(*self._writing, cause, alone=True) from None
 
-    def _save_failed(self, iteration: int, path: Path, cause: str) -> SaveFailed:
+    def _save_failed(self, iteration: int, path: Path, cause: str, alone: bool = False) -> SaveFailed:
         free = shutil.disk_usage(self.save_dir).free / 2**20
         newest = files.find_latest_complete(self.save_dir).path
         resume = f"{newest.name} is the newest complete checkpoint" if newest else "no checkpoint is complete"
         return SaveFailed(
             f"checkpoint step {iteration} could not be written to {path} "
             f"({cause}; {free:,.1f} MiB free on its file system). "
-            f"{resume}: fix the cause and run the same command to resume"
+            f"{resume}: fix the cause and run the same command to resume",
+            alone,
         )
 
     def release(self) -> None:
