@@ -9,13 +9,27 @@ second SIGINT falls back to Python's default and interrupts at once.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+# Looked up at import, not in a forked child: loading a library there can deadlock on a lock
+# another thread of the parent held at the fork.
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def signal_at_parent_death(signum: int) -> None:
+    """Have the kernel send ``signum`` to this process when its parent exits (Linux only)."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signum)
 
 
 @dataclass(frozen=True)
@@ -44,6 +58,14 @@ class StopWatch:
         self.started = time.monotonic()
         self.received: int | None = None
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            # torchrun starts its ranks in sessions of their own: a launcher killed outright
+            # (kill -9, the out-of-memory killer) left them training unseen, holding the run
+            # directory and the devices. Now they save and stop as on its SIGTERM.
+            launcher = os.getppid()
+            signal_at_parent_death(signal.SIGTERM)
+            if os.getppid() != launcher:  # it died before the kernel was told
+                self.received = signal.SIGTERM
 
     def _on_signal(self, signum: int, frame) -> None:
         if self.received == signal.SIGINT and signum == signal.SIGINT:

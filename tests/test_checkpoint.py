@@ -245,6 +245,27 @@ def test_sigusr1_to_the_local_launcher_saves_and_stops_every_rank(tmp_path, corp
     files.verify(files.iteration_dir(save_dir, int((save_dir / files.TRACKER).read_text())), checksums=True)
 
 
+def test_ranks_whose_launcher_is_killed_outright_save_and_stop(tmp_path, corpus):
+    """torchrun starts its ranks in sessions of their own: with the launcher killed (kill -9, the
+    out-of-memory killer) they trained on unseen, holding the run directory and the devices."""
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
+    )
+    log = tmp_path / "run.log"
+    proc = start(torchrun_command(2, config, "parallel.pipeline=2"), log)
+    wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
+    ranks = psutil.Process(proc.pid).children()
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=120)
+    assert not alive, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "on signal SIGTERM" in text and "stopped early (checkpoint saved)" in text, text[-3000:]
+    save_dir = tmp_path / "run" / "checkpoints"
+    files.verify(files.iteration_dir(save_dir, int((save_dir / files.TRACKER).read_text())), checksums=True)
+
+
 def test_sigusr1_during_a_long_validation_cuts_it_short_and_saves_the_step(tmp_path, corpus):
     """Slurm's pre-timeout signal in a validation longer than its window: the validation gives
     way, the step is saved and the run stops with code 3; it waited for the whole validation, and

@@ -10,14 +10,12 @@ the files (sizes, SHA-256) in a thread, then moves the tracker and applies reten
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
 import os
 import select
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,7 +55,7 @@ from megatron_train.checkpoint.state import (
     weight_setting_changes,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
-from megatron_train.stopping import STOP_SIGNALS, Decision
+from megatron_train.stopping import STOP_SIGNALS, Decision, signal_at_parent_death
 
 # A failed write is reported once, as SaveFailed's one line.
 logging.getLogger(megatron_compat.ASYNC_WRITER_LOGGER).addFilter(
@@ -88,17 +86,10 @@ WRITER_START_TIMEOUT_S = 10.0
 WRITER_WATCH_S = 0.5
 
 
-# Looked up here, not in a forked child: loading a library there can deadlock on a lock another
-# thread of the parent held at the fork.
-_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
-_PR_SET_PDEATHSIG = 1
-
-
 def _end_with(parent: int) -> None:
     """Have the kernel kill this (just forked) process when its parent ``parent`` exits, and exit
     now if it already has."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal_at_parent_death(signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
 
