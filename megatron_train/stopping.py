@@ -24,6 +24,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # another thread of the parent held at the fork.
 _PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1
+# This process's parent as it started: under torchrun, its launcher.
+_PARENT = os.getppid()
 
 
 def signal_at_parent_death(signum: int) -> None:
@@ -62,9 +64,8 @@ class StopWatch:
             # torchrun starts its ranks in sessions of their own: a launcher killed outright
             # (kill -9, the out-of-memory killer) left them training unseen, holding the run
             # directory and the devices. Now they save and stop as on its SIGTERM.
-            launcher = os.getppid()
             signal_at_parent_death(signal.SIGTERM)
-            if os.getppid() != launcher:  # it died before the kernel was told
+            if os.getppid() != _PARENT:  # it died before the kernel was told
                 self.received = signal.SIGTERM
 
     def _on_signal(self, signum: int, frame) -> None:
