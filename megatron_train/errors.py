@@ -103,10 +103,24 @@ def peer_gone(err: BaseException) -> str | None:
     """gloo's or NCCL's words (without gloo's source location) where ``err``, or an error it was
     raised in handling, is a collective that failed because another rank's process went away,
     most often by failing first; None for any other error."""
+    return _said(err, _PEER_GONE)
+
+
+# gloo's words for a collective that waited out its timeout.
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (?:send|recv) operation to complete")
+
+
+def collective_timed_out(err: BaseException) -> str | None:
+    """gloo's words where ``err``, or an error it was raised in handling, is a collective that
+    waited out its timeout for another rank; None for any other error."""
+    return _said(err, _TIMED_OUT)
+
+
+def _said(err: BaseException | None, words: re.Pattern) -> str | None:
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, RuntimeError) and (found := _PEER_GONE.search(str(err))):
+        if isinstance(err, RuntimeError) and (found := words.search(str(err))):
             return found[0].strip()
         err = err.__cause__ or err.__context__
     return None

@@ -131,9 +131,12 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     else:
         cpu_compat.enable()
         device, backend = torch.device("cpu"), "gloo"
-    rendezvous.join(env.rank, env.world_size, backend, collective_timeout())
+    timeout = collective_timeout()
+    rendezvous.join(env.rank, env.world_size, backend, timeout)
     p = cfg.parallel
     parallel_state.initialize_model_parallel(
+        # The groups training's collectives run in: megatron's own default waits 30 minutes.
+        distributed_timeout_minutes=timeout.total_seconds() / 60,
         tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline if (p.virtual_pipeline or 1) > 1 else None,

@@ -34,7 +34,13 @@ from megatron_train.config import (
     to_dict,
 )
 from megatron_train.config_loading import override_for_option
-from megatron_train.errors import BAD_INPUT, loader_worker_lost, out_of_shared_memory, peer_gone
+from megatron_train.errors import (
+    BAD_INPUT,
+    collective_timed_out,
+    loader_worker_lost,
+    out_of_shared_memory,
+    peer_gone,
+)
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
@@ -393,6 +399,13 @@ def failure_line(err: BaseException) -> str | None:
     where = "free space where logging.run_dir, data.cache_dir and checkpoint.save_dir point and run it again"
     if (line := cli.no_room(err, "a file of the run", where)) is not None:
         return line
+    if (waited := collective_timed_out(err)) is not None:
+        minutes = runtime.collective_timeout().total_seconds() / 60
+        return (
+            f"a collective waited its {minutes:g} minutes (MEGATRON_TRAIN_DIST_TIMEOUT_MIN) for another rank "
+            f"({waited}): a rank hung or fell far behind. Fix: see which rank's log stops first (py-spy dump "
+            "shows where it waits), or raise MEGATRON_TRAIN_DIST_TIMEOUT_MIN where steps are slow by design"
+        )
     if (gone := peer_gone(err)) is not None:
         # The rank that went first says why; a traceback per rank here would bury its line.
         return (

@@ -357,6 +357,38 @@ def test_a_disk_that_fills_under_rank_zero_ends_the_run_in_a_line_per_rank(tmp_p
     assert lines[2] == "error: rank 0 failed first, with exit code 1; its output is above"
 
 
+def test_a_hung_rank_ends_the_job_at_the_collective_timeout_in_one_line(tmp_path, corpus):
+    """MEGATRON_TRAIN_DIST_TIMEOUT_MIN applied to the default group only: the collectives of
+    training run in megatron's groups, which waited megatron's own 30 minutes for a hung rank,
+    and the rank that waited ended in gloo's traceback."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000})
+    cmd = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2", "-m",
+           "megatron_train.train", "--config", str(config), "logging.log_interval=1"]  # fmt: skip
+    env = {**torchrun_env(), "MEGATRON_TRAIN_DIST_TIMEOUT_MIN": "0.1"}
+    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(run.pid).children()}
+        ranks[1].suspend()  # SIGSTOP: hung, as in a stuck read or a deadlock
+        _, waiting = psutil.wait_procs([ranks[0]], timeout=120)
+        ranks[1].resume()
+        assert not waiting, "rank 0 still waits for the hung rank"
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith(
+        "error on rank 0: a collective waited its 0.1 minutes (MEGATRON_TRAIN_DIST_TIMEOUT_MIN) for another "
+        "rank (Timed out waiting 6000ms for "
+    ), lines
+    assert lines[-1] == "error: rank 0 failed first, with exit code 1; its output is above"
+
+
 # In a mount namespace of its own: a run saved on a small tmpfs, which then fills up before the
 # run is resumed.
 RESUMED_ON_A_FULL_DISK = """
