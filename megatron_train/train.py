@@ -369,7 +369,11 @@ def _main(argv: list[str] | None) -> int:
     except BaseException as err:  # torch's CheckpointException is a BaseException
         if (line := failure_line(err)) is None:
             raise
-        print(f"error on rank {rt.rank}: {line}", file=sys.stderr)
+        print(f"error on rank {rt.rank}: {line}", file=sys.stderr, flush=True)
+        if peer_gone(err) is not None:
+            # A launcher names the rank that exited first, to the second: let it be the one that
+            # went away, whose line says why (its launcher ends this rank while it waits).
+            time.sleep(PEER_GONE_GRACE_S)
         return EXIT_TRAINING_FAILED
     finally:
         runtime.shutdown()
@@ -377,6 +381,10 @@ def _main(argv: list[str] | None) -> int:
         state = "done" if exit_code == EXIT_OK else "stopped early (checkpoint saved)"
         print(f"{state}. run directory: {run_dir.resolve()}", flush=True)
     return exit_code
+
+
+PEER_GONE_GRACE_S = 2.0
+"""How long a rank that lost another one waits before it exits."""
 
 
 def failure_line(err: BaseException) -> str | None:

@@ -449,37 +449,41 @@ def test_a_save_the_file_system_refuses_stops_the_run_and_keeps_the_last_checkpo
     files.verify(files.iteration_dir(save_dir, 4), checksums=True)
 
 
-def test_a_results_server_killed_mid_run_fails_the_next_save_in_one_line(tmp_path, corpus):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_results_server_killed_mid_run_fails_the_next_save_in_one_line(tmp_path, corpus, nproc):
     """The small server each rank's checkpoint writers report to, killed (the out-of-memory
     killer, a ``pkill python``): the next save's writer printed a traceback, and the run, meeting
     a BrokenPipeError as it collected the result, took it for its own output's reader gone and
-    ended without a word, exit code 141."""
+    ended without a word, exit code 141. With two ranks, the last rank's: the launcher named rank
+    0, whose line only says that another rank went away, as the rank that failed first."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000})
-    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), "checkpoint.interval=4"]
+    cmd = [*torchrun_command(nproc, config), "checkpoint.interval=4"]
+    cmd[:3] = [sys.executable, "-m", "megatron_train.torchrun"]
     log = tmp_path / "log"
     proc = start(cmd, log)
     save_dir = tmp_path / "run" / "checkpoints"
+    last = nproc - 1
     try:
         wait_for(tracker_at(save_dir, 4), proc, log)
-        [server] = [
-            p for p in psutil.Process(proc.pid).children() if "results_server.py" in " ".join(p.cmdline())
-        ]
+        rank = next(p for p in psutil.Process(proc.pid).children() if p.environ()["RANK"] == str(last))
+        [server] = [p for p in rank.children() if "results_server.py" in " ".join(p.cmdline())]
         server.kill()
         proc.wait(timeout=240)
     finally:
         if proc.poll() is None:
             kill_tree(proc)
     assert proc.returncode == 1, log.read_text()[-3000:]
-    [line] = [line for line in log.read_text().splitlines() if line.startswith("error")]
-    assert line.startswith("error on rank 0: checkpoint step 8 could not be written to "), line
+    lines = [line for line in log.read_text().splitlines() if line.startswith("error")]
+    assert lines[0].startswith(f"error on rank {last}: checkpoint step 8 could not be written to "), lines
     assert (
-        f"(rank 0's checkpoint results server (pid {server.pid}), which its writer reports to, was killed; "
-        in line
+        f"(rank {last}'s checkpoint results server (pid {server.pid}), which its writer reports to, was "
+        "killed; " in lines[0]
     )
     assert (
         "iter_0000004 is the newest complete checkpoint: fix the cause and run the same command to resume"
-        in line
+        in lines[0]
     )
+    assert lines[-1] == f"error: rank {last} failed first, with exit code 1; its output is above", lines
     assert "Traceback" not in log.read_text()
     assert (save_dir / files.TRACKER).read_text().strip() == "4"
     files.verify(files.iteration_dir(save_dir, 4), checksums=True)
