@@ -7,8 +7,10 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 import stat
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,7 +53,9 @@ def dataset_files(prefix: Path, key: str) -> Iterator[tuple[Path, Path]]:
     finished it meanwhile, is a ConfigError naming ``key``, and its files are left as they are."""
     tmp_bin, tmp_idx = _dataset_tmp_files(prefix)
     done = prefix.with_name(prefix.name + ".idx")
-    with _claimed(tmp_bin, key) as claimed:
+    # A Ctrl-C or SIGTERM just after the claim made the temporary file, before the clean-up below
+    # was in place, left it behind.
+    with _stops_held() as release, _claimed(tmp_bin, key) as claimed:
         if not claimed:
             raise ConfigError(
                 key,
@@ -59,6 +63,7 @@ def dataset_files(prefix: Path, key: str) -> Iterator[tuple[Path, Path]]:
                 f"let that process finish, or choose another {key}",
             )
         try:
+            release()
             if done.exists():
                 raise ConfigError(
                     key,
@@ -71,6 +76,35 @@ def dataset_files(prefix: Path, key: str) -> Iterator[tuple[Path, Path]]:
         finally:
             tmp_bin.unlink(missing_ok=True)
             tmp_idx.unlink(missing_ok=True)
+
+
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def _stops_held() -> Iterator[Callable[[], None]]:
+    """Inside, SIGINT and SIGTERM are noted rather than handled, until the function yielded is
+    called (or the block ends): then their handlers come back, and a noted one is raised again
+    for its handler. Only the main thread handles signals; elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    noted: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum)) for sig in _STOPS}
+
+    def release() -> None:
+        if not previous:
+            return
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        previous.clear()
+        if noted:
+            signal.raise_signal(noted[0])
+
+    try:
+        yield release
+    finally:
+        release()
 
 
 def _dataset_tmp_files(prefix: Path) -> tuple[Path, Path]:
