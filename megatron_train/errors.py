@@ -116,14 +116,13 @@ def collective_timed_out(err: BaseException) -> str | None:
     return _said(err, _TIMED_OUT)
 
 
-def _said(err: BaseException | None, words: re.Pattern) -> str | None:
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, RuntimeError) and (found := words.search(str(err))):
-            return found[0].strip()
-        err = err.__cause__ or err.__context__
-    return None
+def _said(err: BaseException, words: re.Pattern) -> str | None:
+    """``words`` as a RuntimeError among the errors ``err`` stands for (:func:`_inner`), or the one
+    it was raised in handling (a collective that failed under a ``finally`` that ran another)."""
+    if isinstance(err, RuntimeError) and (found := words.search(str(err))):
+        return found[0].strip()
+    inner = [*_inner(err), err.__context__]
+    return next((found for exc in inner if exc is not None and (found := _said(exc, words))), None)
 
 
 # torch's words for a loader worker that found /dev/shm full. (A worker's SIGBUS, which torch

@@ -50,6 +50,9 @@ EXIT_TRAINING_FAILED = 1
 EXIT_BAD_CONFIG = 2
 EXIT_STOPPED_EARLY = 3
 
+_PEER_GONE_GRACE_S = 2.0
+"""How long a rank that lost another one waits before it exits."""
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(override_for=override_for_option, description=__doc__)
@@ -373,7 +376,7 @@ def _main(argv: list[str] | None) -> int:
         if peer_gone(err) is not None:
             # A launcher names the rank that exited first, to the second: let it be the one that
             # went away, whose line says why (its launcher ends this rank while it waits).
-            time.sleep(PEER_GONE_GRACE_S)
+            time.sleep(_PEER_GONE_GRACE_S)
         return EXIT_TRAINING_FAILED
     finally:
         runtime.shutdown()
@@ -381,10 +384,6 @@ def _main(argv: list[str] | None) -> int:
         state = "done" if exit_code == EXIT_OK else "stopped early (checkpoint saved)"
         print(f"{state}. run directory: {run_dir.resolve()}", flush=True)
     return exit_code
-
-
-PEER_GONE_GRACE_S = 2.0
-"""How long a rank that lost another one waits before it exits."""
 
 
 def failure_line(err: BaseException) -> str | None:

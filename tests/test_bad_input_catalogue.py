@@ -2804,9 +2804,13 @@ def test_a_command_whose_output_pipe_closes_ends_quietly(ws):
     assert (result.returncode, result.stderr) == (141, "")
 
 
-def test_a_broken_pipe_that_is_not_the_outputs_is_not_taken_for_its_reader_gone():
+def test_a_broken_pipe_that_is_not_the_outputs_is_not_taken_for_its_reader_gone(monkeypatch):
     """A pipe or socket to another process that broke (a helper process killed) ended a command
-    as if its output's reader had gone: exit code 141 and not a word."""
+    as if its output's reader had gone: exit code 141 and not a word. Standard output here is a
+    pipe whose reader is still there."""
+    out_read, out_write = os.pipe()
+    stdout = os.fdopen(out_write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
 
     def talks_to_a_dead_helper() -> int:
         read, write = os.pipe()
@@ -2817,8 +2821,12 @@ def test_a_broken_pipe_that_is_not_the_outputs_is_not_taken_for_its_reader_gone(
             os.close(write)
         return 0
 
-    with pytest.raises(BrokenPipeError):
-        cli.entry_point(talks_to_a_dead_helper)()
+    try:
+        with pytest.raises(BrokenPipeError):
+            cli.entry_point(talks_to_a_dead_helper)()
+    finally:
+        stdout.close()
+        os.close(out_read)
 
 
 @pytest.mark.parametrize(
