@@ -166,28 +166,31 @@ def _selective_modules(m: ModelConfig) -> list[str]:
     return ["mlp" if m.num_experts is None else "moe", "layernorm"]
 
 
-_RECOMPUTE_SETTINGS = ("recompute_modules", "recompute_method", "recompute_num_layers")
-
-
 def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) -> list[str]:
     """Up to three layouts of ``world_size`` GPUs (TP within a node, PP, CP, recompute) that fit,
     least model parallelism and recompute first, as override strings."""
-    m = cfg.model
+    m, default = cfg.model, ModelConfig()
     modules = _selective_modules(m)
-    overrides = {
-        "none": "",
-        "selective": f" model.recompute=selective model.recompute_modules=[{','.join(modules)}]",
-        "full": " model.recompute=full",
+    # Per kind of recompute: its override text and the model with it. The settings a kind does not
+    # use are left at their defaults, which validation requires; full keeps the config's own.
+    unused = {
+        "recompute_modules": default.recompute_modules,
+        "recompute_method": default.recompute_method,
+        "recompute_num_layers": default.recompute_num_layers,
     }
-    default = ModelConfig()
-    unset = {k: getattr(default, k) for k in _RECOMPUTE_SETTINGS}
     recomputes = {
-        "none": dict(unset, recompute="none"),
-        "selective": dict(unset, recompute="selective", recompute_modules=modules),
-        "full": {"recompute": "full", "recompute_modules": unset["recompute_modules"]},
+        "none": ("", dataclasses.replace(m, **dict(unused, recompute="none"))),
+        "selective": (
+            f" model.recompute=selective model.recompute_modules=[{','.join(modules)}]",
+            dataclasses.replace(m, **dict(unused, recompute="selective", recompute_modules=modules)),
+        ),
+        "full": (
+            " model.recompute=full",
+            dataclasses.replace(m, recompute="full", recompute_modules=default.recompute_modules),
+        ),
     }
     found = []
-    sizes = itertools.product(("none", "selective", "full"), (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16))
+    sizes = itertools.product(recomputes, (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16))
     for recompute, tensor, pipeline, context in sizes:
         parallel = dataclasses.replace(
             cfg.parallel,
@@ -197,7 +200,7 @@ def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) 
             context=context,
             sequence_parallel=tensor > 1,
         )
-        model = dataclasses.replace(m, **recomputes[recompute])
+        extra, model = recomputes[recompute]
         trial = dataclasses.replace(cfg, parallel=parallel, model=model)
         # Only what training would accept: the experts' layout, heads, widths, batch and the rest.
         try:
@@ -206,7 +209,6 @@ def fitting_layouts(cfg: ExperimentConfig, world_size: int, limit_bytes: float) 
         except ConfigError:
             continue
         if estimate(trial, world_size).total <= limit_bytes:
-            extra = overrides[recompute]
             sp = " parallel.sequence_parallel=true" if tensor > 1 else ""
             cp = f" parallel.context={context}" if context > 1 else ""
             found.append(f"parallel.tensor={tensor} parallel.pipeline={pipeline}{cp}{sp}{extra}")
