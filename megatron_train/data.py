@@ -161,6 +161,10 @@ def batch_loader(
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
     )
+    if cfg.data.num_workers > 0:
+        # The workers' queues need semaphores in /dev/shm. Met by torch's iterator half-way through
+        # its construction, a full /dev/shm also left a traceback of that iterator's __del__.
+        torch.multiprocessing.get_context().Lock()
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,

@@ -14,6 +14,7 @@ import contextlib
 import faulthandler
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -347,7 +348,11 @@ def _main(argv: list[str] | None) -> int:
         return EXIT_BAD_CONFIG
     # A rank that a native crash kills (a communication library's segfault, say) prints where each
     # of its threads was, where it would otherwise leave only its exit signal and the peers' errors.
+    # A SIGBUS is a read through a memory map past its file's end (a dataset cut or rewritten while
+    # the run read it): the launcher names that in a line, which the dump of the data loader's
+    # frames only buried.
     faulthandler.enable()
+    signal.signal(signal.SIGBUS, signal.SIG_DFL)
     try:
         run_dir, exit_code = train(cfg, rt)
     except BAD_INPUT as err:  # a bad checkpoint or Hugging Face directory to start from

@@ -427,23 +427,37 @@ def test_a_resume_on_a_full_disk_fails_in_one_line_and_leaves_the_run_as_it_was(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a /dev/shm of its own needs root")
-def test_loader_workers_that_find_shared_memory_full_end_the_run_in_one_line(tmp_path, corpus):
+@pytest.mark.parametrize(
+    ("shm", "says"),
+    [
+        (
+            "mount -t tmpfs -o size=512k tmpfs /dev/shm",
+            "(RuntimeError: unable to allocate shared memory(shm) for file ",
+        ),
+        (
+            "mount -t tmpfs -o size=4k tmpfs /dev/shm && head -c 4k /dev/zero > /dev/shm/full",
+            "(a semaphore could not be created: [Errno 28] No space left on device). ",
+        ),
+    ],
+    ids=["no-room-for-a-batch", "no-room-for-a-semaphore"],
+)
+def test_loader_workers_that_find_shared_memory_full_end_the_run_in_one_line(tmp_path, corpus, shm, says):
     """A container's small /dev/shm (Docker's default is 64 MB), in which the loader's workers
-    cannot hand over a batch: the run ended in torch's 40-line traceback of a worker's error."""
+    cannot hand over a batch: the run ended in torch's 40-line traceback of a worker's error. A
+    full one, in which the loader cannot make its queues, added a traceback of its __del__."""
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", model={"max_position_embeddings": 512}
     )
-    # Room for the loader's queues, not for one batch of 64 x 513 tokens (four tensors of 128 KiB
-    # to 256 KiB each).
+    # 512 KiB: room for the loader's queues, not for one batch of 64 x 513 tokens (four tensors of
+    # 128 KiB to 256 KiB each).
     train = [sys.executable, "-m", "megatron_train.train", "--config", str(config), "data.num_workers=2",
              "train.micro_batch_size=64", "train.global_batch_size=64", "data.seq_length=512"]  # fmt: skip
-    script = 'mount -t tmpfs -o size=512k tmpfs /dev/shm && exec "$@"'
-    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *train]
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{shm} && exec "$@"', "sh", *train]
     result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-3000:]
     [line] = [line for line in result.stderr.splitlines() if line.strip()]
     full = "error on rank 0: the data loader's worker processes found shared memory (/dev/shm) full"
-    assert line.startswith(f"{full} (RuntimeError: unable to allocate shared memory(shm) for file "), line
+    assert line.startswith(f"{full} {says}"), line
     assert line.endswith(
         "Fix: give the job more shared memory (a container's --shm-size) or set data.num_workers=0"
     )
@@ -477,6 +491,36 @@ def test_a_loader_worker_that_is_killed_ends_the_run_in_one_line(tmp_path, corpu
         "killed by signal: Killed; the out-of-memory killer sends SIGKILL: see dmesg). Fix: leave the loader "
         "more memory or set fewer data.num_workers, then run the same command to resume from the last "
         "checkpoint"
+    ]
+
+
+def test_a_dataset_cut_while_the_run_reads_it_ends_the_run_in_the_launchers_line(tmp_path, corpus):
+    """The read past the end of the shrunk file's memory map is a SIGBUS: faulthandler's dump of
+    the loader's frames came before the launcher's line, which names the cause."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(corpus["prefix"].with_suffix(suffix), data / f"d{suffix}")
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000})
+    cmd = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=1",
+           "-m", "megatron_train.train", "--config", str(config), f"data.blend=[{data / 'd'}]",
+           "train.eval_interval=0", "checkpoint.interval=0", "logging.log_interval=1"]  # fmt: skip
+    run = subprocess.Popen(
+        cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.truncate(data / "d.bin", 4096)
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 1, err[-3000:]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        "error: rank 0 was killed by SIGBUS (a file it had mapped shrank: a dataset rewritten or cut while "
+        "the run read it) before any other rank failed"
     ]
 
 
