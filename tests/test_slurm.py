@@ -317,6 +317,27 @@ def test_a_stop_save_that_cannot_be_requeued_fails_the_job_with_a_line(slurm, co
     assert "could not be requeued (scontrol's line above says why): submit it again to resume" in batch_log
 
 
+def test_a_dataset_cut_while_the_job_reads_it_fails_the_job_with_a_line(slurm, corpus, tmp_path):
+    """The rank dies of SIGBUS without a word of its own; the job said only its exit code."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(corpus["prefix"].with_suffix(suffix), data / f"d{suffix}")
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 1000, "eval_interval": 0},
+        data={"blend": [str(data / "d")]},
+    )  # fmt: skip
+    logs = tmp_path / "logs"
+    job = sbatch_rank_per_node(slurm, config, logs, "--no-requeue")
+    wait_for_step(slurm, job, logs / f"megatron-train-{job}" / "rank-0.log", 1)
+    os.truncate(data / "d.bin", 4096)
+    assert wait_for_job(slurm, job) == "FAILED"
+    batch_log = (logs / f"megatron-train-{job}.out").read_text()
+    assert f"job {job} failed: a rank was killed by SIGBUS (srun's line above): a file it had mapped" \
+        " shrank" in batch_log  # fmt: skip
+    assert "failed with exit code" not in batch_log
+
+
 @pytest.mark.parametrize("count", ["twenty", "-1", "9223372036854775808"])
 def test_the_batch_script_refuses_a_requeue_count_it_cannot_compare_before_anything(tmp_path, count):
     """Read at the first stop, hours in: bash took a word for 0 requeues and wrapped a count past
