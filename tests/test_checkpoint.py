@@ -206,6 +206,25 @@ def test_interval_saves_resume_at_any_dp_size_and_move_to_another_model_split_by
             assert abs(loss - expected[step]) <= 1e-5 * abs(expected[step]), f"{name}, step {step}"
 
 
+def test_a_run_that_keeps_dp_reshardable_saves_is_told_how_to_move_its_checkpoint(tmp_path, corpus):
+    """With ``checkpoint.optimizer_format=dp_reshardable`` set, the stop save that the refusal
+    advised was dp_reshardable too, and the checkpoint still did not load at the other layout."""
+    train = {"steps": 3, "micro_batch_size": 1, "eval_interval": 0}
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", optimizer=SMALL_LR, train=train,
+                          checkpoint={"optimizer_format": "dp_reshardable"})  # fmt: skip
+    assert torchrun(2, config).returncode == 0
+    refused = torchrun(2, config, "train.steps=6", "parallel.tensor=2")
+    [error] = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    # The overrides the error names, followed as written.
+    move = re.search(r"run once at that layout with (.+?):", error)[1].split()
+    assert "checkpoint.optimizer_format=fully_reshardable" in move, error
+    moved = torchrun(2, config, "train.steps=6", *move)
+    assert "exitcode  : 3" in moved.stderr, moved.stderr[-3000:]
+    resumed = torchrun(2, config, "train.steps=6", "parallel.tensor=2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(r["step"] for r in records(tmp_path / "run") if "loss" in r) == [1, 2, 3, 4, 5, 6]
+
+
 def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus):
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
