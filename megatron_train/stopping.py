@@ -34,6 +34,14 @@ def signal_at_parent_death(signum: int) -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signum)
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """A data loader worker's start (``worker_init_fn``): its rank decides when to stop and then
+    ends it. torchrun and Slurm signal each rank's whole process group, where the workers died
+    of the signal, and the rank's stop save of its loader's error."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 @dataclass(frozen=True)
 class Decision:
     """What all ranks agreed on after a step."""

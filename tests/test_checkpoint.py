@@ -225,10 +225,14 @@ def test_a_run_that_keeps_dp_reshardable_saves_is_told_how_to_move_its_checkpoin
     assert sorted(r["step"] for r in records(tmp_path / "run") if "loss" in r) == [1, 2, 3, 4, 5, 6]
 
 
-def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus, workers):
+    """torchrun signals each rank's process group, its loader's workers too: they died of it, and
+    the rank's save or shutdown ended in torch's "DataLoader worker ... is killed by signal"."""
     config = write_config(
-        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
-    )
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0},
+        data={"num_workers": workers},
+    )  # fmt: skip
     log = tmp_path / "run.log"
     proc = start(torchrun_command(2, config, "parallel.pipeline=2"), log)
     wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
@@ -236,6 +240,7 @@ def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_p
     proc.wait(timeout=120)
     text = log.read_text()
     assert "on signal SIGTERM" in text and "stopped early (checkpoint saved)" in text, text[-3000:]
+    assert "error on rank" not in text, text[-3000:]
     save_dir = tmp_path / "run" / "checkpoints"
     stopped_at = int((save_dir / files.TRACKER).read_text())
     files.verify(files.iteration_dir(save_dir, stopped_at), checksums=True)
