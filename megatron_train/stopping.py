@@ -36,8 +36,8 @@ def signal_at_parent_death(signum: int) -> None:
 
 def ignore_stop_signals(worker_id: int) -> None:
     """A data loader worker's start (``worker_init_fn``): its rank decides when to stop and then
-    ends it. torchrun and Slurm signal each rank's whole process group, where the workers died
-    of the signal, and the rank's stop save of its loader's error."""
+    ends it. torchrun signals each rank's whole process group, where the workers died of the
+    signal, and the rank's stop save of its loader's error."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
