@@ -463,6 +463,18 @@ def test_loader_workers_that_find_shared_memory_full_end_the_run_in_one_line(tmp
     )
 
 
+def _started_training(cmd: list[str], run_dir: Path) -> subprocess.Popen:
+    """``cmd`` started, and (for at most two minutes) waited on until its first step is logged."""
+    run = subprocess.Popen(
+        cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return run
+
+
 def test_a_loader_worker_that_is_killed_ends_the_run_in_one_line(tmp_path, corpus):
     """The out-of-memory killer's usual victim on a busy node: the run ended in a traceback of
     torch's "DataLoader worker (pid N) is killed by signal: Killed"."""
@@ -470,14 +482,8 @@ def test_a_loader_worker_that_is_killed_ends_the_run_in_one_line(tmp_path, corpu
     cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(config), "data.num_workers=2",
            "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.async_save=false",
            "logging.log_interval=1"]  # fmt: skip
-    run = subprocess.Popen(
-        cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    run = _started_training(cmd, tmp_path / "run")
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
-            time.sleep(0.2)
         trainer = psutil.Process(run.pid)
         # The loader's workers are forks of the training process; the results server is not.
         [worker, _] = [child for child in trainer.children() if child.cmdline() == trainer.cmdline()]
@@ -505,14 +511,8 @@ def test_a_dataset_cut_while_the_run_reads_it_ends_the_run_in_the_launchers_line
     cmd = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=1",
            "-m", "megatron_train.train", "--config", str(config), f"data.blend=[{data / 'd'}]",
            "train.eval_interval=0", "checkpoint.interval=0", "logging.log_interval=1"]  # fmt: skip
-    run = subprocess.Popen(
-        cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    run = _started_training(cmd, tmp_path / "run")
     try:
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
-            time.sleep(0.2)
         os.truncate(data / "d.bin", 4096)
         _, err = run.communicate(timeout=120)
     finally:
