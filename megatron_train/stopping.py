@@ -1,10 +1,11 @@
 """When to stop early: signals and a wall-clock budget, agreed by all ranks once a step.
 
-Every rank catches SIGTERM, SIGUSR1 and SIGINT (Slurm's pre-timeout signal, schedulers'
-preemption, Ctrl-C) and only sets a flag; the train loop finishes its step, then all ranks
-agree through one small all-reduce, so they save the same step and stop together. The same
-all-reduce agrees on the elapsed time, which the checkpoint policy's minute interval reads. A
-second SIGINT falls back to Python's default and interrupts at once.
+Every rank catches SIGTERM, SIGUSR1, SIGINT and SIGHUP (schedulers' preemption, Slurm's
+pre-timeout signal, Ctrl-C, a closed terminal or ssh session) and only sets a flag; the train
+loop finishes its step, then all ranks agree through one small all-reduce, so they save the same
+step and stop together. The same all-reduce agrees on the elapsed time, which the checkpoint
+policy's minute interval reads. A second SIGINT falls back to Python's default and interrupts
+at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 # Looked up at import, not in a forked child: loading a library there can deadlock on a lock
 # another thread of the parent held at the fork.

@@ -251,9 +251,11 @@ def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_p
     assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 3))
 
 
-def test_sigusr1_to_the_local_launcher_saves_and_stops_every_rank(tmp_path, corpus):
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGHUP], ids=["SIGUSR1", "SIGHUP"])
+def test_a_stop_signal_to_the_local_launcher_saves_and_stops_every_rank(tmp_path, corpus, sig):
     """launch/local.sh's launcher passes SIGUSR1 (Slurm's pre-timeout signal) on to the ranks,
-    which save and stop; plain torchrun died of it at once and its ranks trained on without it."""
+    which save and stop; plain torchrun died of it at once and its ranks trained on without it.
+    SIGHUP (the terminal or ssh session the launcher ran in closed) killed the ranks unsaved."""
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0}
     )
@@ -261,10 +263,10 @@ def test_sigusr1_to_the_local_launcher_saves_and_stops_every_rank(tmp_path, corp
     cmd = torchrun_command(2, config)
     proc = start([sys.executable, "-m", "megatron_train.torchrun", *cmd[3:]], log)
     wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
-    proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=120) == 128 + signal.SIGUSR1
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 128 + sig
     text = log.read_text()
-    assert "on signal SIGUSR1" in text and "stopped early (checkpoint saved)" in text, text[-3000:]
+    assert f"on signal {sig.name}" in text and "stopped early (checkpoint saved)" in text, text[-3000:]
     save_dir = tmp_path / "run" / "checkpoints"
     files.verify(files.iteration_dir(save_dir, int((save_dir / files.TRACKER).read_text())), checksums=True)
 
