@@ -17,7 +17,7 @@ from megatron_train import megatron_compat
 from megatron_train.config import DataConfig, ExperimentConfig, split_blends, split_numbers
 from megatron_train.errors import ConfigError
 from megatron_train.inputs import requested_samples
-from megatron_train.stopping import ignore_stop_signals
+from megatron_train.stopping import leave_the_stop_signals_to_the_rank
 from megatron_train.tokenizer import load_tokenizer
 
 
@@ -172,7 +172,7 @@ def batch_loader(
         num_workers=cfg.data.num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=cfg.data.num_workers > 0,
-        worker_init_fn=ignore_stop_signals,
+        worker_init_fn=leave_the_stop_signals_to_the_rank,
         # Each iter() draws a seed for its workers from this generator. From torch's default one
         # (which dropout draws from on a CPU), it would shift that stream, and a resumed run, whose
         # loaders are made after the checkpoint's RNG states are restored, would drop out other

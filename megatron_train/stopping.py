@@ -35,12 +35,12 @@ def signal_at_parent_death(signum: int) -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signum)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """A data loader worker's start (``worker_init_fn``): its rank decides when to stop and then
-    ends it. torchrun signals each rank's whole process group, where the workers died of the
-    signal, and the rank's stop save of its loader's error."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+def leave_the_stop_signals_to_the_rank(worker_id: int) -> None:
+    """A data loader worker's start (``worker_init_fn``): a process group of its own. torchrun
+    signals each rank's whole process group, where the workers died of a stop signal, and the
+    rank's stop save of its loader's error. (Ignoring the signals instead also ignored the
+    SIGTERM with which the loader ends a worker that does not stop, and the rank hung.)"""
+    os.setpgid(0, 0)
 
 
 @dataclass(frozen=True)
