@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import stat
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -83,23 +82,13 @@ _STOPS = (signal.SIGINT, signal.SIGTERM)
 
 @contextmanager
 def _stops_held() -> Iterator[Callable[[], None]]:
-    """Inside, SIGINT and SIGTERM are noted rather than handled, until the function yielded is
-    called (or the block ends): then their handlers come back, and a noted one is raised again
-    for its handler. Only the main thread handles signals; elsewhere nothing is held."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-    noted: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum)) for sig in _STOPS}
+    """Inside, SIGINT and SIGTERM wait blocked (as checkpoint/results_server.py holds them over its
+    server's start) until the function yielded is called or the block ends; one that came
+    meanwhile is then handled."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
 
     def release() -> None:
-        if not previous:
-            return
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        previous.clear()
-        if noted:
-            signal.raise_signal(noted[0])
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     try:
         yield release

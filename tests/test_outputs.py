@@ -3,8 +3,11 @@ never replaced by another process's."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
+from megatron_train import outputs, run_lock
 from megatron_train.errors import ConfigError
 from megatron_train.outputs import dataset_files, discard_partial_dataset, publish
 
@@ -53,3 +56,20 @@ def test_an_output_another_process_finished_meanwhile_is_kept(tmp_path):
     assert not (tmp_path / "a").exists() and (tmp_path / "b").read_text() == "the other run's"
     publish([(tmp_path / "a.tmp", tmp_path / "a")], "--out")
     assert (tmp_path / "a").read_text() == "this run's"
+
+
+def test_a_ctrl_c_as_the_temporary_file_is_made_leaves_no_file(tmp_path, monkeypatch):
+    """A stop just after the claim made the file, before the writer's clean-up was in place, left
+    it behind (a CI flake): the stop waits until the clean-up is there."""
+    open_locked = run_lock.open_locked
+
+    def then_ctrl_c(*args, **kwargs):
+        fd = open_locked(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return fd
+
+    monkeypatch.setattr(outputs.run_lock, "open_locked", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with dataset_files(tmp_path / "d", "--output-prefix"):
+            pytest.fail("the stop came after the claim")
+    assert list(tmp_path.iterdir()) == []
