@@ -456,13 +456,12 @@ class Checkpointer:
         saved, now = Layout(**common["layout"]), Layout.current(moe=self.cfg.model.num_experts is not None)
         fmt = optimizer_format(common)
         if fmt == "dp_reshardable" and not saved.same_model_split(now):
-            overrides, why = (
-                "train.exit_after_minutes=0.001",
-                " (stop and end-of-run saves are fully_reshardable)",
-            )
+            overrides = "train.exit_after_minutes=0.001"
+            why = " (stop and end-of-run saves are fully_reshardable)"
             # That stop save takes this run's format, which a dp_reshardable setting would keep.
             if self.options.optimizer_format == "dp_reshardable":
-                overrides, why = f"{overrides} checkpoint.optimizer_format=fully_reshardable", ""
+                overrides += " checkpoint.optimizer_format=fully_reshardable"
+                why = ""
             raise CheckpointError(
                 f"{path} holds its optimizer state per data-parallel shard (dp_reshardable), which "
                 f"resumes only at {saved.describe_model_split()} (any DP), not {now.describe()}. To move "
