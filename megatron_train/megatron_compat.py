@@ -87,8 +87,9 @@ def distributed_optimizers(optimizer: Any) -> list[DistributedOptimizer]:
     return [opt for opt in inner if isinstance(opt, DistributedOptimizer)]
 
 
-def use_async_results_queue(queue: Any) -> None:
-    """Make megatron's async checkpoint writer report through ``queue``.
+def use_write_results_queue(queue: Any) -> None:
+    """Make megatron's checkpoint writer (``FileSystemWriterAsync``, which synchronous saves use
+    too) report through ``queue``.
 
     0.16: ``filesystem_async`` creates its results queue lazily on the first save (a Manager
     with default signal handling, so the stop signal that asks for a save kills it) and keeps it

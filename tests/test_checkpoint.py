@@ -225,13 +225,19 @@ def test_a_run_that_keeps_dp_reshardable_saves_is_told_how_to_move_its_checkpoin
     assert sorted(r["step"] for r in records(tmp_path / "run") if "loss" in r) == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus, workers):
-    """torchrun signals each rank's process group, its loader's workers too: they died of it, and
-    the rank's save or shutdown ended in torch's "DataLoader worker ... is killed by signal"."""
+@pytest.mark.parametrize(
+    "workers, saves",
+    [(0, {}), (2, {}), (0, {"async_save": False, "interval": 2})],
+    ids=["no-workers", "workers", "sync-saves"],
+)
+def test_sigterm_under_torchrun_saves_the_current_step_and_resume_finishes(tmp_path, corpus, workers, saves):
+    """torchrun signals each rank's process group, so all the rank's processes: its loader's
+    workers died of it, and the rank's save or shutdown ended in torch's "DataLoader worker ... is
+    killed by signal"; the Manager that megatron's writer reported through after a synchronous
+    save died of it too, and the stop save failed in a BrokenPipeError traceback."""
     config = write_config(
         tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0},
-        data={"num_workers": workers},
+        data={"num_workers": workers}, checkpoint=saves,
     )  # fmt: skip
     log = tmp_path / "run.log"
     proc = start(torchrun_command(2, config, "parallel.pipeline=2"), log)

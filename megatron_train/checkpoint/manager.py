@@ -226,22 +226,22 @@ class Checkpointer:
         self._writing: tuple[int, Path] | None = None
 
     def start_writer(self) -> None:
-        """Start the background writer's process while the data is built (async saves only);
-        called once every check of the start has passed, so a bad start does not wait for it."""
-        if self._queue is not None:
-            self._warmup = threading.Thread(target=self._start_results_server, daemon=True)
-            self._warmup.start()
+        """Start the server the writer reports to while the data is built; called once every
+        check of the start has passed, so a bad start does not wait for it."""
+        self._warmup = threading.Thread(target=self._start_results_server, daemon=True)
+        self._warmup.start()
 
     def _start_results_server(self) -> None:
-        """Start the server megatron's async writer reports results through, and point megatron at it.
+        """Start the server megatron's writer reports results through, and point megatron at it.
 
-        megatron starts a Manager lazily on the first save, with default signal handling, so the
-        SIGTERM or SIGINT that asks us to save-and-stop (torchrun and Ctrl-C signal the whole
-        process group) kills it and the save fails. Ours ignores those signals, and starting it
-        early overlaps its start-up with building the data instead of the first save.
+        megatron's writer reports through a queue for synchronous saves too. megatron starts a
+        Manager lazily on the first save, with default signal handling, so the SIGTERM or SIGINT
+        that asks us to save-and-stop (torchrun and Ctrl-C signal the whole process group) kills
+        it and the save fails. Ours ignores those signals, and starting it early overlaps its
+        start-up with building the data instead of the first save.
         """
         self._results = results_server.start(STOP_SIGNALS)
-        megatron_compat.use_async_results_queue(self._results.queue())
+        megatron_compat.use_write_results_queue(self._results.queue())
 
     # -- saving ---------------------------------------------------------------------------
 
