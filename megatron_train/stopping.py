@@ -14,6 +14,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -36,11 +37,26 @@ def signal_at_parent_death(signum: int) -> None:
 
 
 def leave_the_stop_signals_to_the_rank(worker_id: int) -> None:
-    """A data loader worker's start (``worker_init_fn``): a process group of its own. torchrun
-    signals each rank's whole process group, where the workers died of a stop signal, and the
-    rank's stop save of its loader's error. (Ignoring the signals instead also ignored the
-    SIGTERM with which the loader ends a worker that does not stop, and the rank hung.)"""
+    """A data loader worker's start (``worker_init_fn``): a process group of its own, and a
+    SIGTERM that ends it only when its rank sent it.
+
+    torchrun signals each rank's whole process group, Slurm's cgroup process tracking (scancel)
+    and ``pkill -f`` every process: torch's worker handler dies of a SIGTERM from anyone but its
+    rank, and the rank's stop save failed on its loader's error. The SIGTERM with which the loader
+    ends a worker that does not stop must still end it (ignored, the rank hung at exit); the
+    stop signals other than SIGTERM meet the rank's handler, which the worker inherited and which
+    only notes them.
+    """
     os.setpgid(0, 0)
+    rank = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_end_at_sigterm_from, args=(rank,), daemon=True).start()
+
+
+def _end_at_sigterm_from(sender: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != sender:
+        pass
+    os._exit(0)  # as torch's own handler ends a worker at its loader's SIGTERM
 
 
 @dataclass(frozen=True)

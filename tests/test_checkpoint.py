@@ -277,6 +277,29 @@ def test_a_stop_signal_to_the_local_launcher_saves_and_stops_every_rank(tmp_path
     files.verify(files.iteration_dir(save_dir, int((save_dir / files.TRACKER).read_text())), checksums=True)
 
 
+def test_sigterm_to_every_process_of_a_rank_saves_and_stops(tmp_path, corpus):
+    """Slurm's cgroup process tracking (scancel) and ``pkill -f megatron_train.train`` signal each
+    process, the loader's workers too: torch's worker handler died of a SIGTERM that its rank had not
+    sent, and the rank's stop save failed on "a data loader worker process went away"."""
+    config = write_config(
+        tmp_path / "cfg.yaml", corpus, tmp_path / "run", train={"steps": 400, "eval_interval": 0},
+        data={"num_workers": 2},
+    )  # fmt: skip
+    log = tmp_path / "run.log"
+    proc = start(torchrun_command(1, config), log)
+    wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
+    [rank] = psutil.Process(proc.pid).children()
+    for p in [rank, *rank.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    text = log.read_text()
+    assert "on signal SIGTERM" in text and "stopped early (checkpoint saved)" in text, text[-3000:]
+    assert "error on rank" not in text, text[-3000:]
+    save_dir = tmp_path / "run" / "checkpoints"
+    files.verify(files.iteration_dir(save_dir, int((save_dir / files.TRACKER).read_text())), checksums=True)
+
+
 def test_ranks_whose_launcher_is_killed_outright_save_and_stop(tmp_path, corpus):
     """torchrun starts its ranks in sessions of their own: with the launcher killed (kill -9, the
     out-of-memory killer) they trained on unseen, holding the run directory and the devices."""
