@@ -6,13 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import psutil
 import torch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_train.checkpoint import results_server
+from megatron_train.checkpoint.manager import Checkpointer
+from megatron_train.config import ExperimentConfig
 from tests.conftest import ROOT
 
 
@@ -52,7 +56,7 @@ def test_the_server_ends_with_a_parent_that_was_killed():
 def test_a_stop_signal_while_the_server_starts_does_not_end_it(monkeypatch):
     """A save-and-stop signal sent to the process group as the server's interpreter starts, before
     it ignores the signal: it waits, blocked, instead of ending the server (whose start then
-    failed with a traceback, in the thread that starts it during the first training steps)."""
+    failed with a traceback)."""
     popen = subprocess.Popen
 
     def signalled_at_start(*args, **kwargs):
@@ -67,3 +71,19 @@ def test_a_stop_signal_while_the_server_starts_does_not_end_it(monkeypatch):
         assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # ours is unchanged
     finally:
         server.stop()
+
+
+def test_the_checkpointer_starts_the_server_before_it_returns_and_in_its_callers_thread(monkeypatch):
+    """Started in a thread of its own while the data loader forked its workers, the server's
+    Popen waited for its child's exec on a pipe that a worker forked meanwhile also held: the
+    start, and the first save that waited for it, hung for as long as the worker lived (a run
+    hung at its first save; found by a kill-and-resume fuzzer)."""
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    checkpointer = Checkpointer(ExperimentConfig(), is_main=False, log=print)
+    threads = threading.active_count()
+    checkpointer.start_writer()
+    try:
+        assert threading.active_count() == threads
+        assert isinstance(filesystem_async._results_queue, results_server.PickledQueue)
+    finally:
+        checkpointer.release()
