@@ -37,8 +37,8 @@ def signal_at_parent_death(signum: int) -> None:
 
 
 def leave_the_stop_signals_to_the_rank(worker_id: int) -> None:
-    """A data loader worker's start (``worker_init_fn``): a process group of its own, and a
-    SIGTERM that ends it only when its rank sent it.
+    """A data loader worker's start (``worker_init_fn``): a SIGTERM ends it only when its rank
+    sent it.
 
     torchrun signals each rank's whole process group, Slurm's cgroup process tracking (scancel)
     and ``pkill -f`` every process: torch's worker handler dies of a SIGTERM from anyone but its
@@ -47,7 +47,6 @@ def leave_the_stop_signals_to_the_rank(worker_id: int) -> None:
     stop signals other than SIGTERM meet the rank's handler, which the worker inherited and which
     only notes them.
     """
-    os.setpgid(0, 0)
     rank = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=_end_at_sigterm_from, args=(rank,), daemon=True).start()
