@@ -68,6 +68,10 @@ def _meeting_point() -> str:
     return f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
 
+# torch's words for a meeting point that went away or was never a torch store.
+_BROKEN_CONNECTION = ("Broken pipe", "Connection reset by peer", "Connection was likely closed")
+
+
 def _one_line(message: str, timeout: datetime.timedelta) -> ConfigError | None:
     """The rendezvous failures a launch causes, as one line each; None for any other error."""
     minutes = f"{timeout.total_seconds() / 60:g} minutes (MEGATRON_TRAIN_DIST_TIMEOUT_MIN)"
@@ -93,12 +97,13 @@ def _one_line(message: str, timeout: datetime.timedelta) -> ConfigError | None:
             "set MASTER_ADDR and MASTER_PORT to rank 0's node and the port it opens (torchrun and srun "
             "set both)",
         )
-    if "Broken pipe" in message or "Connection reset by peer" in message:
+    if any(broke in message for broke in _BROKEN_CONNECTION):
         return ConfigError(
             "MASTER_PORT",
             f"the connection to {_meeting_point()} broke while the ranks met: another program listens "
-            "there, or rank 0 ended",
-            "set MASTER_PORT to the port rank 0 opens, and see rank 0's log",
+            "there, or rank 0 or the first node's launcher (which keeps the meeting point under torchrun) "
+            "ended",
+            "set MASTER_PORT to the port rank 0 opens, and see the first node's log",
         )
     if "trying to connect to" in message:
         return ConfigError(

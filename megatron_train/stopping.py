@@ -36,6 +36,21 @@ def signal_at_parent_death(signum: int) -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signum)
 
 
+def end_with_the_launcher() -> None:
+    """Under torchrun, end this rank when its launcher exits: by SIGTERM, which the rank's
+    :class:`StopWatch` turns into a save and a stop once it is built, and which ends it before.
+
+    torchrun starts its ranks in sessions of their own: with the launcher killed outright (kill -9,
+    the out-of-memory killer), they trained on unseen, holding the run directory and the devices,
+    and ranks still meeting at the launcher's store waited there for the collective timeout.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    signal_at_parent_death(signal.SIGTERM)
+    if os.getppid() != _PARENT:  # it died before the kernel was told
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def leave_the_stop_signals_to_the_rank(worker_id: int) -> None:
     """A data loader worker's start (``worker_init_fn``): a SIGTERM ends it only when its rank
     sent it.
@@ -84,13 +99,6 @@ class StopWatch:
         self.started = time.monotonic()
         self.received: int | None = None
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            # torchrun starts its ranks in sessions of their own: a launcher killed outright
-            # (kill -9, the out-of-memory killer) left them training unseen, holding the run
-            # directory and the devices. Now they save and stop as on its SIGTERM.
-            signal_at_parent_death(signal.SIGTERM)
-            if os.getppid() != _PARENT:  # it died before the kernel was told
-                self.received = signal.SIGTERM
 
     def _on_signal(self, signum: int, frame) -> None:
         if self.received == signal.SIGINT and signum == signal.SIGINT:

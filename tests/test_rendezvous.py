@@ -1,7 +1,8 @@
-"""A rank waiting for the others at the rendezvous, ended by Ctrl-C."""
+"""A rank waiting for the others at the rendezvous, ended by Ctrl-C or by a launcher that went away."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -9,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+import pytest
+
+from megatron_train import placement
 from tests.conftest import ROOT, torchrun_env, write_config
 
 
@@ -52,4 +57,90 @@ def test_ctrl_c_ends_rank_0_waiting_for_the_others_at_once(tmp_path, corpus):
         f"error: interrupted while waiting at 127.0.0.1:{port} for the job's 2 ranks to join; nothing was "
         "written. Fix: start all of them together (torchrun and srun do), then run it again"
     ], err
+    assert not (tmp_path / "run").exists()
+
+
+def _node(node_rank: int, port: int, *worker: str, out=subprocess.DEVNULL) -> subprocess.Popen:
+    """One node's torchrun of a two-node job with one rank a node, in a session of its own."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_train.torchrun", "--nnodes=2", f"--node-rank={node_rank}",
+         "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", *worker],
+        cwd=ROOT, env=torchrun_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def _rank_at_the_meeting_point(launcher: subprocess.Popen, port: int, log: Path) -> psutil.Process:
+    """The launcher's rank, once it is connected to the launchers' store and waits there for the
+    other node's rank (which never comes: that node runs a sleep)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, log.read_text()
+        for rank in psutil.Process(launcher.pid).children():
+            if any(c.raddr and c.raddr.port == port for c in rank.net_connections()):
+                time.sleep(1)  # into the wait for the other rank
+                return rank
+        time.sleep(0.1)
+    raise AssertionError(f"the rank never reached the meeting point:\n{log.read_text()}")
+
+
+def _end(*launchers: subprocess.Popen) -> None:
+    for launcher in launchers:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        launcher.wait()
+
+
+@pytest.mark.parametrize("node_rank", [0, 1], ids=["first-node", "second-node"])
+def test_a_launcher_killed_while_its_rank_waits_at_the_rendezvous_ends_the_rank(tmp_path, corpus, node_rank):
+    """torchrun starts its ranks in sessions of their own, and a rank at the rendezvous waits in
+    C++: with its launcher killed outright (kill -9, the out-of-memory killer), the first node's
+    rank met the end of the launcher's store in a traceback, and a rank still connecting waited
+    there for the whole collective timeout. Now the kernel ends it with its launcher."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    other = _node(1 - node_rank, port, "--no-python", sys.executable, "-c", "import time; time.sleep(600)")
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        ours = _node(node_rank, port, "-m", "megatron_train.train", "--config", str(config), out=out)
+    try:
+        rank = _rank_at_the_meeting_point(ours, port, log)
+        ours.kill()
+        ours.wait()
+        _, alive = psutil.wait_procs([rank], timeout=30)
+    finally:
+        _end(ours, other)
+    assert not alive, log.read_text()
+    assert log.read_text() == ""
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_first_nodes_launcher_killed_ends_the_other_nodes_rank_in_one_line(tmp_path, corpus):
+    """Under torchrun the ranks meet at the first node's launcher: with it gone, a rank on another
+    node ended in a traceback under torch's C++ stack trace."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    first = _node(0, port, "--no-python", sys.executable, "-c", "import time; time.sleep(600)")
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        ours = _node(1, port, "-m", "megatron_train.train", "--config", str(config), out=out)
+    try:
+        _rank_at_the_meeting_point(ours, port, log)
+        first.kill()
+        code = ours.wait(timeout=60)
+    finally:
+        _end(ours, first)
+    text = log.read_text()
+    assert code == 2, text
+    assert text.splitlines() == [
+        f"error: rank 1 on {placement.node_name()}: config error at 'MASTER_PORT': the connection to "
+        f"127.0.0.1:{port} broke while the ranks met: another program listens there, or rank 0 or the "
+        "first node's launcher (which keeps the meeting point under torchrun) ended. Fix: set MASTER_PORT "
+        "to the port rank 0 opens, and see the first node's log"
+    ], text
     assert not (tmp_path / "run").exists()
