@@ -10,10 +10,8 @@ at once.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -21,34 +19,6 @@ from dataclasses import dataclass
 import torch
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
-
-# Looked up at import, not in a forked child: loading a library there can deadlock on a lock
-# another thread of the parent held at the fork.
-_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
-_PR_SET_PDEATHSIG = 1
-# This process's parent as it started: under torchrun, its launcher.
-_PARENT = os.getppid()
-
-
-def signal_at_parent_death(signum: int) -> None:
-    """Have the kernel send ``signum`` to this process when its parent exits (Linux only)."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signum)
-
-
-def end_with_the_launcher() -> None:
-    """Under torchrun, end this rank when its launcher exits: by SIGTERM, which the rank's
-    :class:`StopWatch` turns into a save and a stop once it is built, and which ends it before.
-
-    torchrun starts its ranks in sessions of their own: with the launcher killed outright (kill -9,
-    the out-of-memory killer), they trained on unseen, holding the run directory and the devices,
-    and ranks still meeting at the launcher's store waited there for the collective timeout.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    signal_at_parent_death(signal.SIGTERM)
-    if os.getppid() != _PARENT:  # it died before the kernel was told
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def leave_the_stop_signals_to_the_rank(worker_id: int) -> None:

@@ -45,7 +45,7 @@ from megatron_train.errors import (
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
-from megatron_train.stopping import StopWatch, end_with_the_launcher
+from megatron_train.stopping import StopWatch
 
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
@@ -325,7 +325,6 @@ def main(argv: list[str] | None = None) -> int:
 
 @cli.entry_point
 def _main(argv: list[str] | None) -> int:
-    end_with_the_launcher()
     args = parse_args(argv)
     try:
         env = runtime.launch_env()

@@ -25,7 +25,7 @@ LAYERS = [
      "megatron_compat", "cpu_compat", "tokenizer", "text_sources", "sentencepiece_cuts", "text_encoding",
      "token_writer", "checkpoint.files", "checkpoint.safe_load", "checkpoint.results_server",
      "hf.model_dir", "hf.safetensors_io", "outputs", "run_lock", "eager_fusions", "data_cache", "placement",
-     "host_memory", "rendezvous"],
+     "host_memory", "rendezvous", "parent_death"],
     ["models.*"],
     ["inputs", "resolve", "hf.plan"],
     ["runtime", "init", "model", "optim", "memory", "moe_stats"],

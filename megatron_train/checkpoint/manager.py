@@ -55,7 +55,8 @@ from megatron_train.checkpoint.state import (
     weight_setting_changes,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
-from megatron_train.stopping import STOP_SIGNALS, Decision, signal_at_parent_death
+from megatron_train.parent_death import signal_at_parent_death
+from megatron_train.stopping import STOP_SIGNALS, Decision
 
 # A failed write is reported once, as SaveFailed's one line.
 logging.getLogger(megatron_compat.ASYNC_WRITER_LOGGER).addFilter(
