@@ -31,6 +31,13 @@ if _OUR_COMMAND and find_spec("torch") is None:
     )
     sys.exit(2)
 
+# torchrun starts its ranks in sessions of their own, and a rank imports for seconds before it
+# meets the others at its launcher: from this first moment, it ends with the launcher.
+if _OUR_COMMAND:
+    from megatron_train import parent_death
+
+    parent_death.end_with_the_launcher()
+
 # Before anything imports megatron-core, which imports Transformer Engine where it is installed.
 from megatron_train.cudnn_sharing import share_torch_cudnn  # noqa: E402
 

@@ -13,7 +13,8 @@ import sys
 # another thread of the parent held at the fork.
 _PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
 _PR_SET_PDEATHSIG = 1
-# This process's parent as it started: under torchrun, its launcher.
+# This process's parent as it started: under torchrun, its launcher. The package imports this
+# module first thing, for a parent that dies in the seconds a rank takes to import torch.
 _PARENT = os.getppid()
 
 
@@ -25,8 +26,9 @@ def signal_at_parent_death(signum: int) -> None:
 
 def end_with_the_launcher() -> None:
     """Under torchrun, end this rank when its launcher exits: by SIGTERM, which a rank's stop
-    watch turns into a save and a stop once training began, and which ends it before (ranks still
-    meeting at the launcher's store waited there for the collective timeout)."""
+    watch turns into a save and a stop once training began, a tool's handler into its clean-up,
+    and which ends it before (ranks still meeting at the launcher's store waited there for the
+    collective timeout)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     signal_at_parent_death(signal.SIGTERM)

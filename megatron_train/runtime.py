@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_train import cpu_compat, parent_death, rendezvous
+from megatron_train import cpu_compat, rendezvous
 from megatron_train.config import MINUTES_A_YEAR, MINUTES_SHORTEST, ExperimentConfig
 from megatron_train.errors import ConfigError
 
@@ -122,9 +122,7 @@ def compute_dtype(cfg: ExperimentConfig) -> torch.dtype:
 
 
 def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
-    """Join the process group, build megatron's parallel groups and seed every RNG. Under
-    torchrun, the process ends with its launcher from here on."""
-    parent_death.end_with_the_launcher()
+    """Join the process group, build megatron's parallel groups and seed every RNG."""
     if torch.cuda.is_available():
         # Slurm may give each task one visible GPU (--gpus-per-task), torchrun all of the node's.
         index = env.local_rank % torch.cuda.device_count()

@@ -144,3 +144,40 @@ def test_the_first_nodes_launcher_killed_ends_the_other_nodes_rank_in_one_line(t
         "to the port rank 0 opens, and see the first node's log"
     ], text
     assert not (tmp_path / "run").exists()
+
+
+def _importing_torch(pid: int) -> bool:
+    """Whether the process has mapped torch's library: it is past the package's first lines."""
+    try:
+        return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_launcher_killed_while_its_ranks_import_ends_them(tmp_path, corpus):
+    """A rank imports torch and megatron-core for seconds before it meets the others: with its
+    launcher killed then, it went on into the rendezvous, at the dead launcher's store, and
+    waited there for the collective timeout."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    log = tmp_path / "launcher.log"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2",
+             "-m", "megatron_train.train", "--config", str(config)],
+            cwd=ROOT, env=torchrun_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        ranks: list[psutil.Process] = []
+        while len(ranks) < 2 or not all(_importing_torch(rank.pid) for rank in ranks):
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+            ranks = psutil.Process(launcher.pid).children()
+            time.sleep(0.01)
+        launcher.kill()
+        launcher.wait()
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+    finally:
+        _end(launcher)
+    assert not alive, log.read_text()
+    assert "Traceback" not in log.read_text()
+    assert not (tmp_path / "run").exists()
