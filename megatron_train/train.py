@@ -45,7 +45,6 @@ from megatron_train.errors import (
 from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
-from megatron_train.stopping import StopWatch
 
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
@@ -67,6 +66,7 @@ def train(cfg: ExperimentConfig, rt: runtime.Runtime) -> tuple[Path, int]:
     """Build everything and run the loop; returns the run directory and the exit code."""
     from megatron_train.checkpoint.manager import Checkpointer
     from megatron_train.metrics import MetricsLogger
+    from megatron_train.stopping import StopWatch
 
     run_dir = Path(cfg.logging.run_dir)
     log = MetricsLogger(cfg, run_dir, rt.is_main, rt.world_size)
