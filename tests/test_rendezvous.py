@@ -114,7 +114,9 @@ def test_a_launcher_killed_while_its_rank_waits_at_the_rendezvous_ends_the_rank(
     finally:
         _end(ours, other)
     assert not alive, log.read_text()
-    assert log.read_text() == ""
+    # The first node's launcher takes the meeting point down as it exits, a moment before the
+    # kernel signals the rank: a rank quick enough to see that first says so in one line.
+    assert "Traceback" not in log.read_text() and len(log.read_text().splitlines()) <= 1, log.read_text()
     assert not (tmp_path / "run").exists()
 
 
