@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,13 +83,27 @@ _STOPS = (signal.SIGINT, signal.SIGTERM)
 
 @contextmanager
 def _stops_held() -> Iterator[Callable[[], None]]:
-    """Inside, SIGINT and SIGTERM wait blocked (as checkpoint/results_server.py holds them over its
-    server's start) until the function yielded is called or the block ends; one that came
-    meanwhile is then handled."""
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
+    """Inside, SIGINT and SIGTERM are only noted until the function yielded is called or the
+    block ends; one that came meanwhile is then handled. Their Python handlers are swapped rather
+    than the signals blocked: the kernel gives a signal sent to the process to any thread that
+    does not block it (pyarrow and the tokenizers start native ones), and Python then runs its
+    handler in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread():
+        # Python's handlers run in the main thread alone: they cannot interrupt this one.
+        yield lambda: None
+        return
+    noted: list[int] = []
+    previous = {sig: signal.getsignal(sig) for sig in _STOPS}
+    held = [sig for sig, handler in previous.items() if handler is not None]  # None: set from C
+    for sig in held:
+        signal.signal(sig, lambda signum, frame: noted.append(signum))
 
     def release() -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        while held:
+            sig = held.pop()
+            signal.signal(sig, previous[sig])
+        while noted:
+            signal.raise_signal(noted.pop(0))
 
     try:
         yield release

@@ -4,6 +4,8 @@ never replaced by another process's."""
 from __future__ import annotations
 
 import signal
+import threading
+import time
 
 import pytest
 
@@ -58,14 +60,26 @@ def test_an_output_another_process_finished_meanwhile_is_kept(tmp_path):
     assert (tmp_path / "a").read_text() == "this run's"
 
 
-def test_a_ctrl_c_as_the_temporary_file_is_made_leaves_no_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("taken_by", ["main-thread", "another-thread"])
+def test_a_ctrl_c_as_the_temporary_file_is_made_leaves_no_file(tmp_path, monkeypatch, taken_by):
     """A stop just after the claim made the file, before the writer's clean-up was in place, left
-    it behind (a CI flake): the stop waits until the clean-up is there."""
+    it behind (a CI flake): the stop waits until the clean-up is there. The kernel gives a signal
+    sent to the process to any of its threads that takes it: one taken by another thread (pyarrow
+    and the tokenizers start native ones) runs Python's handler in the main thread all the same,
+    and that left the file behind where the main thread alone had blocked the signal (a CI flake
+    of preprocess_data's Ctrl-C test)."""
     open_locked = run_lock.open_locked
+    other = threading.Event()
+    taker = threading.Thread(target=other.wait)
+    taker.start()
 
     def then_ctrl_c(*args, **kwargs):
         fd = open_locked(*args, **kwargs)
-        signal.raise_signal(signal.SIGINT)
+        if taken_by == "main-thread":
+            signal.raise_signal(signal.SIGINT)
+        else:
+            signal.pthread_kill(taker.ident, signal.SIGINT)
+            time.sleep(0.2)  # for the other thread to take it
         return fd
 
     monkeypatch.setattr(outputs.run_lock, "open_locked", then_ctrl_c)
@@ -78,4 +92,6 @@ def test_a_ctrl_c_as_the_temporary_file_is_made_leaves_no_file(tmp_path, monkeyp
                 pytest.fail("the stop came after the claim")
     finally:
         signal.signal(signal.SIGINT, previous)
+        other.set()
+        taker.join()
     assert list(tmp_path.iterdir()) == []
