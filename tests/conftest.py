@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -48,6 +49,13 @@ def torchrun_command(nproc: int, config: Path, *overrides: str) -> list[str]:
 
 def torchrun_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    """A loopback port free a moment ago, for a rendezvous of a test's own."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -26,7 +26,7 @@ import pytest
 
 from megatron_train import cli, data_cache
 from megatron_train.token_writer import TokenWriter
-from tests.conftest import ROOT, load_tool, run_tool, write_config
+from tests.conftest import ROOT, free_port, load_tool, run_tool, write_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,12 +94,6 @@ def ws(tmp_path_factory, corpus, trained) -> Path:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(ws / "hf")
     (ws / "cases").mkdir()
     return ws
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hashes(*roots: Path) -> dict[str, str]:
@@ -2721,7 +2715,7 @@ def test_bad_input_is_one_line_and_touches_nothing(ws, corpus, case, capfd, monk
     monkeypatch.setenv("WORLD_SIZE", "1")
     # Set here, so that the rendezvous of a case that starts a process group leaves nothing behind.
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     for name, value in (case.env or {}).items():
         if value is None:
             monkeypatch.delenv(name, raising=False)

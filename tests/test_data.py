@@ -8,7 +8,6 @@ import os
 import re
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from megatron_train.inputs import check_resumed_index_memory, epochs, split_size
 from megatron_train.resolve import load_config
 from megatron_train.token_writer import TokenWriter
 from megatron_train.tokenizer import load_tokenizer
-from tests.conftest import ROOT, run_tool, torchrun_command, torchrun_env, write_config
+from tests.conftest import ROOT, free_port, run_tool, torchrun_command, torchrun_env, write_config
 
 TRICKY = [
     "def f(x):\n\treturn x  +  1\n\n\n",
@@ -76,9 +75,7 @@ def test_preprocess_missing_input_is_a_clear_error(tmp_path, corpus):
 @pytest.fixture
 def single_process_group():
     """megatron's dataset builders expect a process group, as in training."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import psutil
 import pytest
 
 from megatron_train import placement
-from tests.conftest import ROOT, torchrun_env, write_config
+from tests.conftest import ROOT, free_port, torchrun_env, write_config
 
 
 def _listening(pid: int, port: int) -> bool:
@@ -27,9 +26,7 @@ def test_ctrl_c_ends_rank_0_waiting_for_the_others_at_once(tmp_path, corpus):
     """torch waits for the ranks in C++, where Python's SIGINT handler never runs: a rank 0 started
     alone ignored Ctrl-C for the whole ten-minute collective timeout."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {
         **torchrun_env(),
         "RANK": "0",
@@ -99,9 +96,7 @@ def test_a_launcher_killed_while_its_rank_waits_at_the_rendezvous_ends_the_rank(
     rank met the end of the launcher's store in a traceback, and a rank still connecting waited
     there for the whole collective timeout. Now the kernel ends it with its launcher."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     other = _node(1 - node_rank, port, "--no-python", sys.executable, "-c", "import time; time.sleep(600)")
     log = tmp_path / "launcher.log"
     with log.open("w") as out:
@@ -124,9 +119,7 @@ def test_the_first_nodes_launcher_killed_ends_the_other_nodes_rank_in_one_line(t
     """Under torchrun the ranks meet at the first node's launcher: with it gone, a rank on another
     node ended in a traceback under torch's C++ stack trace."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     first = _node(0, port, "--no-python", sys.executable, "-c", "import time; time.sleep(600)")
     log = tmp_path / "launcher.log"
     with log.open("w") as out:

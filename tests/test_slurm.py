@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, load_tool, records, write_config
+from tests.conftest import ROOT, free_port, load_tool, records, write_config
 
 # One test cluster at a time: every Slurm test runs on the same xdist worker.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm")]
@@ -49,12 +48,6 @@ NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=4 Real
 NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port} CPUs=4 RealMemory=8000 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(*cmd: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -91,9 +84,7 @@ def slurm(tmp_path_factory) -> dict[str, str]:
     d = tmp_path_factory.mktemp("slurm")
     (d / "state").mkdir()
     conf = d / "slurm.conf"
-    conf.write_text(
-        SLURM_CONF.format(d=d, ctld_port=_free_port(), n1_port=_free_port(), n2_port=_free_port())
-    )
+    conf.write_text(SLURM_CONF.format(d=d, ctld_port=free_port(), n1_port=free_port(), n2_port=free_port()))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     _run("slurmctld", "-c", "-f", str(conf), env=env)
     _run("slurmd", "-N", "n1", "-f", str(conf), env=env)
