@@ -75,6 +75,13 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend", entries: bool = 
             else "name a dataset by its prefix: PREFIX for PREFIX.bin and PREFIX.idx"
         )
         raise ConfigError(key, f"{prefix} is a folder, not a dataset prefix", fix)
+    if Path(prefix).is_file() and not bin_.exists():
+        raise ConfigError(
+            key,
+            f"{prefix} is a file, not a dataset prefix (PREFIX for PREFIX.bin and PREFIX.idx)",
+            f"turn text into a dataset with tools/preprocess_data.py --input {prefix} --output-prefix PREFIX "
+            "and name that PREFIX",
+        )
     for path in (bin_, idx):
         if (problem := not_a_file(path)) is not None:
             raise ConfigError(key, f"{path} {problem}", _REPREPROCESS)

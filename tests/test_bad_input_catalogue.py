@@ -769,6 +769,12 @@ CASES = [
     Case("blend-names-the-bin", "train", _train("data.blend=[WS/corpus/stdlib.bin]"), "drop the suffix"),
     Case("blend-names-a-folder", "train", _train("data.blend=[WS/corpus]"), "e.g. "),
     Case(
+        "blend-names-the-text",
+        "train",
+        _train("data.blend=[WS/corpus/stdlib.jsonl]"),
+        "preprocess_data.py --input",
+    ),
+    Case(
         "merge-input-empty",
         "merge",
         _args("--input", "WS/corpus/stdlib", "", "--output-prefix", "WS/cases/m"),
