@@ -53,6 +53,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and what to do."""
 
 
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint whose every file has its recorded size (so not torn) but whose bytes do not
+    read: ``problem`` names the file; ``fix`` says which checkpoint to take instead, where the
+    caller knows it (a resume knows the older ones in its save dir)."""
+
+    def __init__(self, problem: str, fix: str = "use another checkpoint") -> None:
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}; {fix}")
+
+    def __reduce__(self) -> tuple:
+        return CorruptCheckpoint, (self.problem, self.fix)
+
+
 class ConversionError(ValueError):
     """Input a conversion cannot handle; the message names the problem and the fix."""
 

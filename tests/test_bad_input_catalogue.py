@@ -170,6 +170,19 @@ def _run_with_ckpt(damage: Callable[[Path], None]) -> Callable[[Path, str], None
     return setup
 
 
+def _run_with_an_older_ckpt(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
+    """A run directory of the case's own with a whole checkpoint at step 2 and one at step 4 that
+    ``damage`` changes."""
+
+    def setup(ws: Path, case_id: str) -> None:
+        saves = _case(ws, case_id) / "run" / "checkpoints"
+        shutil.copytree(ws / CKPT, saves / "iter_0000002")
+        shutil.copytree(ws / CKPT, saves / "iter_0000004")
+        damage(saves / "iter_0000004")
+
+    return setup
+
+
 def _without_checksums(ckpt: Path) -> None:
     record = json.loads((ckpt / "complete.json").read_text())
     for entry in record["files"].values():
@@ -1308,8 +1321,16 @@ CASES = [
         "resume-common-changed-in-place",
         "train",
         _train("logging.run_dir=WS/cases/resume-common-changed-in-place/run", "train.steps=6"),
-        "iter_0000004/common.pt fails its SHA-256 check: the checkpoint is corrupt",
+        "common.pt fails its SHA-256 check: the checkpoint is corrupt; move iter_0000004 out of ",
         _run_with_ckpt(_common_changed_in_place),
+    ),
+    # "use another checkpoint", without saying how a resume does that
+    Case(
+        "resume-newest-changed-in-place",
+        "train",
+        _train("logging.run_dir=WS/cases/resume-newest-changed-in-place/run", "train.steps=6"),
+        "then run the same command to resume from iter_0000002, the newest complete checkpoint before it",
+        _run_with_an_older_ckpt(_common_changed_in_place),
     ),
     # it trained, then failed its first save (exit 1) with the run's files changed
     Case(

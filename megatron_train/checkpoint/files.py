@@ -24,7 +24,7 @@ import yaml
 
 from megatron_train import json_text, run_lock
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError, ConfigError, denied, not_a_file, shown
+from megatron_train.errors import CheckpointError, ConfigError, CorruptCheckpoint, denied, not_a_file, shown
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
@@ -170,7 +170,7 @@ SMALL_FILES = (".metadata", "common.pt", "metadata.json")
 state, megatron's format record): small, so hashing them on a failed load costs nothing."""
 
 
-def changed_in_place(ckpt_dir: Path) -> CheckpointError | None:
+def changed_in_place(ckpt_dir: Path) -> CorruptCheckpoint | None:
     """The error for the first of :data:`SMALL_FILES` whose SHA-256 differs from its recorded one:
     changed in place (its size right, so :func:`verify` took it as whole), which explains any
     failure of the load after it. None when they match, or the record holds no checksums."""
@@ -179,9 +179,8 @@ def changed_in_place(ckpt_dir: Path) -> CheckpointError | None:
         for name in SMALL_FILES:
             recorded = entries.get(name, {}).get("sha256")
             if recorded is not None and sha256_of(Path(ckpt_dir) / name) != recorded:
-                return CheckpointError(
-                    f"{Path(ckpt_dir) / name} fails its SHA-256 check: the checkpoint is corrupt; use "
-                    "another checkpoint"
+                return CorruptCheckpoint(
+                    f"{Path(ckpt_dir) / name} fails its SHA-256 check: the checkpoint is corrupt"
                 )
     except (CheckpointError, OSError):
         pass
@@ -211,10 +210,13 @@ class ResumePoint:
     skipped: list[tuple[Path, str]]
 
 
-def find_latest_complete(save_dir: Path, checksums: bool = False) -> ResumePoint:
-    """The newest checkpoint that verifies; torn newer ones are listed in ``skipped``."""
+def find_latest_complete(save_dir: Path, checksums: bool = False, before: int | None = None) -> ResumePoint:
+    """The newest checkpoint that verifies (of those before step ``before``, when given); torn
+    newer ones are listed in ``skipped``."""
     skipped = []
     for path in checkpoint_dirs(save_dir):
+        if before is not None and iteration_of(path) >= before:
+            continue
         try:
             verify(path, checksums)
         except CheckpointError as err:

@@ -55,6 +55,7 @@ from megatron_train.checkpoint.state import (
     weight_setting_changes,
 )
 from megatron_train.config import ExperimentConfig, checkpoint_dir, to_dict
+from megatron_train.errors import CorruptCheckpoint
 from megatron_train.parent_death import signal_at_parent_death
 from megatron_train.stopping import STOP_SIGNALS, Decision
 
@@ -427,12 +428,27 @@ class Checkpointer:
         """Load ``path`` into the model (and, unless fine-tuning, optimizer, schedule, RNG)."""
         try:
             return self._load(path, model, optimizer, scheduler)
+        except CorruptCheckpoint as err:
+            raise CorruptCheckpoint(err.problem, self._instead_of(path)) from err
         except (Exception, CheckpointException) as err:
             # A small file changed in place fails the load anywhere (a KeyError in the schedule's
             # state, a tensor "the model has no place for"); its checksum tells.
             if (damaged := files.changed_in_place(path)) is not None:
-                raise damaged from err
+                raise CorruptCheckpoint(damaged.problem, self._instead_of(path)) from err
             raise
+
+    def _instead_of(self, path: Path) -> str:
+        """What to resume from in place of ``path``, a whole checkpoint whose bytes are damaged. It
+        is not skipped as a torn one is: that would drop saved steps without a word."""
+        if self.options.load != "auto":
+            return f"set checkpoint.load to another checkpoint than {path}"
+        older = files.find_latest_complete(self.save_dir, before=files.iteration_of(path)).path
+        where = (
+            f"move {path.name} out of {self.save_dir} (to keep it) or delete it, then run the same command"
+        )
+        if older is None:
+            return f"{where} to start afresh, or restore {path.name} from a copy"
+        return f"{where} to resume from {older.name}, the newest complete checkpoint before it"
 
     def _load(self, path: Path, model: list, optimizer, scheduler) -> Progress:
         common, current = read_common(path), to_dict(self.cfg)

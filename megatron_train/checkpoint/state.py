@@ -34,7 +34,7 @@ from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError, changed_in_place
 from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.config import WEIGHT_SHAPING_KEYS, ExperimentConfig, to_dict
-from megatron_train.errors import ConfigError, denied, reason
+from megatron_train.errors import ConfigError, CorruptCheckpoint, denied, reason
 
 # What checkpoints written before the format was recorded hold.
 _FORMAT_BEFORE_RECORDING = "fully_reshardable"
@@ -240,9 +240,7 @@ def _reading(what: Path) -> Iterator[None]:
     except Exception as err:
         if denied(err):
             raise
-        raise CheckpointError(
-            f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt; use another checkpoint"
-        ) from err
+        raise CorruptCheckpoint(f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt") from err
 
 
 def read_common(path: Path) -> dict:
@@ -298,12 +296,12 @@ def read_sharded(sharded_state: dict, path: Path, partial: bool = False, paralle
         raise
 
 
-def _undecodable(path: Path, err: BaseException) -> CheckpointError:
+def _undecodable(path: Path, err: BaseException) -> CorruptCheckpoint:
     """A damaged ``.distcp`` file, whose objects (optimizer steps, RNG states, progress) are
     pickles: its size was right, so the completion record took it as whole."""
-    return CheckpointError(
-        f"{path} holds an object that does not unpickle ({reason(err)}): a file is corrupt; use another "
-        "checkpoint (tools/inspect_checkpoint.py --verify-checksums names the file)"
+    return CorruptCheckpoint(
+        f"{path} holds an object that does not unpickle ({reason(err)}): a file is corrupt "
+        "(tools/inspect_checkpoint.py --verify-checksums names it)"
     )
 
 
