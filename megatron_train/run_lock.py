@@ -56,6 +56,24 @@ def hold(key: str, folder: Path) -> str | None:
     return None
 
 
+def moved_away() -> list[Path]:
+    """The folders this process holds whose path no longer leads to them: removed, or moved
+    elsewhere, while it ran. A save there would make a new folder under the old name."""
+    gone = []
+    for folder, fd in _held.items():
+        try:
+            now = os.stat(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            gone.append(folder)
+            continue
+        except OSError:  # cannot be told (a parent made unreadable): taken as still there
+            continue
+        held = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            gone.append(folder)
+    return gone
+
+
 def open_locked(path: Path, operation: int, flags: int = os.O_RDONLY | os.O_DIRECTORY) -> int | None:
     """``path`` opened with ``flags`` (a folder, by default) and locked with ``operation``
     (``fcntl.LOCK_SH`` or ``LOCK_EX``), for the caller to close; None where another process holds

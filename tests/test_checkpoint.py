@@ -371,6 +371,36 @@ def test_a_second_start_in_a_running_run_is_refused_and_sigusr1_saves_with_code_
     assert files.find_latest_complete(tmp_path / "run" / "checkpoints").path is not None
 
 
+@pytest.mark.parametrize("how", ["removed", "moved"])
+def test_a_run_directory_removed_or_moved_while_it_trains_is_saved_anew_and_the_run_stops(
+    tmp_path, corpus, how
+):
+    """A run directory removed (rm -rf by hand, a scratch file system's clean-up) or moved while
+    its run trained: the next save failed in a traceback, or wrote alone into a folder made anew
+    (which no lock kept a second run out of), and metrics.jsonl went on into the gone folder.
+    Rank 0 holds the folders' locks, so it sees that: every rank saves the step and stops (exit
+    3), and the same command resumes from the save."""
+    run = tmp_path / "run"
+    config = write_config(tmp_path / "cfg.yaml", corpus, run, train={"steps": 400, "eval_interval": 0})
+    log = tmp_path / "run.log"
+    proc = start([sys.executable, "-m", "megatron_train.torchrun", *torchrun_command(2, config)[3:]], log)
+    wait_for(lambda: "step 3/" in log.read_text(), proc, log, poll=0.05)
+    if how == "removed":
+        shutil.rmtree(run)
+    else:
+        run.rename(tmp_path / "moved")
+    assert proc.wait(timeout=120) == EXIT_STOPPED_EARLY, log.read_text()[-3000:]
+    text = log.read_text()
+    assert f"on {run.resolve()} removed or moved away while the run trained" in text, text[-3000:]
+    assert "stopped early (checkpoint saved)" in text and "error" not in text, text[-3000:]
+    if how == "moved":
+        assert not any((tmp_path / "moved" / "checkpoints").iterdir())
+    stopped_at = int((run / "checkpoints" / files.TRACKER).read_text())
+    resumed = torchrun(2, config, f"train.steps={stopped_at + 2}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {stopped_at} " in resumed.stdout
+
+
 def test_a_second_ctrl_c_ends_the_run_at_once_with_one_line_and_code_130(tmp_path, corpus):
     # 32 micro-batches a step: the two signals, 0.1 s apart, arrive within one step, or the
     # second during the save the first asked for; either way nothing waits for that save.

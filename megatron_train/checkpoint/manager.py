@@ -28,7 +28,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_train import errors, megatron_compat, placement
+from megatron_train import errors, megatron_compat, placement, run_lock
 from megatron_train.checkpoint import files, results_server
 from megatron_train.checkpoint.files import CheckpointError
 from megatron_train.checkpoint.policy import SavePolicy
@@ -363,6 +363,10 @@ class Checkpointer:
         except CheckpointException as err:
             causes = sorted({_write_failure(rank, exc) for rank, (exc, _) in err.failures.items()})
             raise self._save_failed(*self._writing, "; ".join(causes) or "see rank 0") from None
+        except OSError as err:  # rank 0's own write of the checkpoint's metadata as it finalises
+            raise self._save_failed(
+                *self._writing, errors.out_of_room(err) or errors.reason(err), alone=True
+            ) from None
         except (ConnectionError, EOFError):
             if self._results is None or self._results.running():
                 raise
@@ -374,7 +378,15 @@ class Checkpointer:
             raise self._save_failed(*self._writing, cause, alone=True) from None
 
     def _save_failed(self, iteration: int, path: Path, cause: str, alone: bool = False) -> SaveFailed:
-        free = shutil.disk_usage(self.save_dir).free / 2**20
+        if gone := run_lock.moved_away():
+            cause = (
+                f"{' and '.join(map(str, gone))} removed or moved away while the save wrote into it: {cause}"
+            )
+        # The save dir may be what went.
+        existing = next(
+            folder for folder in (self.save_dir, *self.save_dir.absolute().parents) if folder.is_dir()
+        )
+        free = shutil.disk_usage(existing).free / 2**20
         newest = files.find_latest_complete(self.save_dir).path
         resume = f"{newest.name} is the newest complete checkpoint" if newest else "no checkpoint is complete"
         return SaveFailed(
