@@ -58,7 +58,8 @@ def hold(key: str, folder: Path) -> str | None:
 
 def moved_away() -> list[Path]:
     """The folders this process holds whose path no longer leads to them: removed, or moved
-    elsewhere, while it ran. A save there would make a new folder under the old name."""
+    elsewhere, while it ran (the outermost, where one held folder is inside another). A save
+    there would make a new folder under the old name."""
     gone = []
     for folder, fd in _held.items():
         try:
@@ -71,7 +72,7 @@ def moved_away() -> list[Path]:
         held = os.fstat(fd)
         if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
             gone.append(folder)
-    return gone
+    return [f for f in gone if not any(f != g and f.is_relative_to(g) for g in gone)]
 
 
 def open_locked(path: Path, operation: int, flags: int = os.O_RDONLY | os.O_DIRECTORY) -> int | None:

@@ -116,8 +116,7 @@ class StopWatch:
             return f"signal {signal.Signals(decision.stop_signal).name}"
         if decision.folders_gone:
             # Rank 0, which writes the log, holds the folders' locks and so knows which.
-            outermost = [f for f in self.gone if not any(f.is_relative_to(g) and f != g for g in self.gone)]
-            names = " and ".join(map(str, outermost)) or "the run's folder"
+            names = " and ".join(map(str, self.gone)) or "the run's folder"
             return f"{names} removed or moved away while the run trained (the save makes it anew)"
         return f"train.exit_after_minutes={self.exit_after_minutes}"
 
