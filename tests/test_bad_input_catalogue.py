@@ -170,12 +170,12 @@ def _run_with_ckpt(damage: Callable[[Path], None]) -> Callable[[Path, str], None
     return setup
 
 
-def _run_with_an_older_ckpt(damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
-    """A run directory of the case's own with a whole checkpoint at step 2 and one at step 4 that
-    ``damage`` changes."""
+def _saves_with_an_older_ckpt(folder: str, damage: Callable[[Path], None]) -> Callable[[Path, str], None]:
+    """A save dir ``folder`` of the case's own with a whole checkpoint at step 2 and one at step 4
+    that ``damage`` changes."""
 
     def setup(ws: Path, case_id: str) -> None:
-        saves = _case(ws, case_id) / "run" / "checkpoints"
+        saves = _case(ws, case_id) / folder
         shutil.copytree(ws / CKPT, saves / "iter_0000002")
         shutil.copytree(ws / CKPT, saves / "iter_0000004")
         damage(saves / "iter_0000004")
@@ -593,6 +593,26 @@ CASES = [
         _args("--ckpt", "WS/cases/generate-metadata-changed-in-place/ckpt", "--prompt", "def"),
         "iter_0000004/.metadata fails its SHA-256 check: the checkpoint is corrupt",
         _copy_ckpt(_metadata_key_changed_in_place),
+    ),
+    # "use another checkpoint", without naming one
+    Case(
+        "export-hf-newest-changed-in-place",
+        "convert",
+        _args(
+            "export-hf", "--ckpt", "WS/cases/export-hf-newest-changed-in-place/ckpt", "--out", "WS/cases/hf"
+        ),
+        "fails its SHA-256 check: the checkpoint is corrupt; use another checkpoint (",
+        _saves_with_an_older_ckpt("ckpt", _metadata_key_changed_in_place),
+    ),
+    # a KeyError traceback: the export reads each tensor its config implies by name
+    Case(
+        "export-hf-metadata-without-a-tensor",
+        "convert",
+        _args(
+            "export-hf", "--ckpt", "WS/cases/export-hf-metadata-without-a-tensor/ckpt", "--out", "WS/cases/hf"
+        ),
+        "holds no tensor decoder.final_layernorm.weight, which its config implies: the checkpoint is corrupt",
+        _copy_ckpt(lambda ckpt: (_metadata_key_changed_in_place(ckpt), _without_checksums(ckpt))),
     ),
     # An empty path (a shell variable not set) was the current folder, named '.' in what followed.
     Case(
@@ -1330,7 +1350,7 @@ CASES = [
         "train",
         _train("logging.run_dir=WS/cases/resume-newest-changed-in-place/run", "train.steps=6"),
         "then run the same command to resume from iter_0000002, the newest complete checkpoint before it",
-        _run_with_an_older_ckpt(_common_changed_in_place),
+        _saves_with_an_older_ckpt("run/checkpoints", _common_changed_in_place),
     ),
     # it trained, then failed its first save (exit 1) with the run's files changed
     Case(

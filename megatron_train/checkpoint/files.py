@@ -179,12 +179,22 @@ def changed_in_place(ckpt_dir: Path) -> CorruptCheckpoint | None:
         for name in SMALL_FILES:
             recorded = entries.get(name, {}).get("sha256")
             if recorded is not None and sha256_of(Path(ckpt_dir) / name) != recorded:
-                return CorruptCheckpoint(
-                    f"{Path(ckpt_dir) / name} fails its SHA-256 check: the checkpoint is corrupt"
+                return corrupt(
+                    f"{Path(ckpt_dir) / name} fails its SHA-256 check: the checkpoint is corrupt", ckpt_dir
                 )
     except (CheckpointError, OSError):
         pass
     return None
+
+
+def corrupt(problem: str, ckpt_dir: Path) -> CorruptCheckpoint:
+    """The error for checkpoint ``ckpt_dir``, whole but damaged (``problem``), naming the newest
+    complete checkpoint before it in its folder, to read instead."""
+    step = iteration_of(ckpt_dir)
+    older = None if step is None else find_latest_complete(Path(ckpt_dir).parent, before=step).path
+    return CorruptCheckpoint(
+        problem, f"use another checkpoint ({older} is complete)" if older else "use another checkpoint"
+    )
 
 
 def check_checksums_recorded(ckpt_dir: Path, record: dict) -> None:

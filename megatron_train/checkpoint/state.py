@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_train import __version__, megatron_compat
-from megatron_train.checkpoint.files import CheckpointError, changed_in_place
+from megatron_train.checkpoint.files import CheckpointError, changed_in_place, corrupt
 from megatron_train.checkpoint.safe_load import safe_unpickling
 from megatron_train.config import WEIGHT_SHAPING_KEYS, ExperimentConfig, to_dict
 from megatron_train.errors import ConfigError, CorruptCheckpoint, denied, reason
@@ -240,7 +240,9 @@ def _reading(what: Path) -> Iterator[None]:
     except Exception as err:
         if denied(err):
             raise
-        raise CorruptCheckpoint(f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt") from err
+        raise corrupt(
+            f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt", what.parent
+        ) from err
 
 
 def read_common(path: Path) -> dict:
@@ -299,9 +301,10 @@ def read_sharded(sharded_state: dict, path: Path, partial: bool = False, paralle
 def _undecodable(path: Path, err: BaseException) -> CorruptCheckpoint:
     """A damaged ``.distcp`` file, whose objects (optimizer steps, RNG states, progress) are
     pickles: its size was right, so the completion record took it as whole."""
-    return CorruptCheckpoint(
+    return corrupt(
         f"{path} holds an object that does not unpickle ({reason(err)}): a file is corrupt "
-        "(tools/inspect_checkpoint.py --verify-checksums names it)"
+        "(tools/inspect_checkpoint.py --verify-checksums names it)",
+        path,
     )
 
 

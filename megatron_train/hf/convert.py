@@ -226,6 +226,11 @@ class _CheckpointTensors:
         self._pending: dict[str, torch.Tensor] = {}
 
     def _read(self, key: str, index: Index) -> torch.Tensor:
+        if key not in self.saved:  # its config implies the tensor: a damaged .metadata left it out
+            raise files.changed_in_place(self.path) or files.corrupt(
+                f"{self.path} holds no tensor {key}, which its config implies: the checkpoint is corrupt",
+                self.path,
+            )
         meta = self.saved[key]
         shape, axes = tuple(meta.global_shape), len(index)
         data = torch.empty((*[1] * axes, *shape[axes:]), dtype=meta.dtype)
