@@ -70,7 +70,7 @@ class Decision:
 
 
 class StopWatch:
-    """Signal flags and a clock, turned into one agreed :class:`Decision` per step."""
+    """Signal flags, a clock and the run's folders, turned into one agreed :class:`Decision` per step."""
 
     def __init__(self, exit_after_minutes: float, device: torch.device) -> None:
         self.exit_after_minutes = exit_after_minutes
