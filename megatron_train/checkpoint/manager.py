@@ -363,10 +363,6 @@ class Checkpointer:
         except CheckpointException as err:
             causes = sorted({_write_failure(rank, exc) for rank, (exc, _) in err.failures.items()})
             raise self._save_failed(*self._writing, "; ".join(causes) or "see rank 0") from None
-        except OSError as err:  # rank 0's own write of the checkpoint's metadata as it finalises
-            raise self._save_failed(
-                *self._writing, errors.out_of_room(err) or errors.reason(err), alone=True
-            ) from None
         except (ConnectionError, EOFError):
             if self._results is None or self._results.running():
                 raise
@@ -376,6 +372,10 @@ class Checkpointer:
                 "which its writer reports to, was killed"
             )
             raise self._save_failed(*self._writing, cause, alone=True) from None
+        except OSError as err:  # rank 0's own metadata write as it finalises (not a ConnectionError)
+            raise self._save_failed(
+                *self._writing, errors.out_of_room(err) or errors.reason(err), alone=True
+            ) from None
 
     def _save_failed(self, iteration: int, path: Path, cause: str, alone: bool = False) -> SaveFailed:
         if gone := run_lock.moved_away():
