@@ -55,15 +55,19 @@ class CheckpointError(RuntimeError):
 
 class CorruptCheckpoint(CheckpointError):
     """A checkpoint whose every file has its recorded size (so not torn) but whose bytes do not
-    read: ``problem`` names the file; ``fix`` says which checkpoint to take instead, where the
-    caller knows it (a resume knows the older ones in its save dir)."""
+    read: ``problem`` names the file; ``older`` is the newest complete checkpoint before it in its
+    folder, if any; ``fix`` says what to do instead (by default, read ``older``), where the caller
+    knows better (a resume: move the damaged one out of its save dir)."""
 
-    def __init__(self, problem: str, fix: str = "use another checkpoint") -> None:
-        self.problem, self.fix = problem, fix
-        super().__init__(f"{problem}; {fix}")
+    def __init__(self, problem: str, older: Path | None = None, fix: str | None = None) -> None:
+        self.problem, self.older = problem, older
+        self.fix = fix or (
+            f"use another checkpoint ({older} is complete)" if older else "use another checkpoint"
+        )
+        super().__init__(f"{problem}; {self.fix}")
 
     def __reduce__(self) -> tuple:
-        return CorruptCheckpoint, (self.problem, self.fix)
+        return CorruptCheckpoint, (self.problem, self.older, self.fix)
 
 
 class ConversionError(ValueError):

@@ -191,9 +191,8 @@ def corrupt(problem: str, ckpt_dir: Path) -> CorruptCheckpoint:
     """The error for checkpoint ``ckpt_dir``, whole but damaged (``problem``), naming the newest
     complete checkpoint before it in its folder, to read instead."""
     step = iteration_of(ckpt_dir)
-    older = None if step is None else find_latest_complete(Path(ckpt_dir).parent, before=step).path
     return CorruptCheckpoint(
-        problem, f"use another checkpoint ({older} is complete)" if older else "use another checkpoint"
+        problem, None if step is None else find_latest_complete(Path(ckpt_dir).parent, before=step).path
     )
 
 

@@ -441,20 +441,22 @@ class Checkpointer:
         try:
             return self._load(path, model, optimizer, scheduler)
         except CorruptCheckpoint as err:
-            raise CorruptCheckpoint(err.problem, self._instead_of(path)) from err
+            raise CorruptCheckpoint(err.problem, err.older, self._instead_of(path, err.older)) from err
         except (Exception, CheckpointException) as err:
             # A small file changed in place fails the load anywhere (a KeyError in the schedule's
             # state, a tensor "the model has no place for"); its checksum tells.
             if (damaged := files.changed_in_place(path)) is not None:
-                raise CorruptCheckpoint(damaged.problem, self._instead_of(path)) from err
+                raise CorruptCheckpoint(
+                    damaged.problem, damaged.older, self._instead_of(path, damaged.older)
+                ) from err
             raise
 
-    def _instead_of(self, path: Path) -> str:
-        """What to resume from in place of ``path``, a whole checkpoint whose bytes are damaged. It
-        is not skipped as a torn one is: that would drop saved steps without a word."""
+    def _instead_of(self, path: Path, older: Path | None) -> str:
+        """What to resume from in place of ``path``, a whole checkpoint whose bytes are damaged
+        (``older``: the newest complete one before it). It is not skipped as a torn one is: that
+        would drop saved steps without a word."""
         if self.options.load != "auto":
             return f"set checkpoint.load to another checkpoint than {path}"
-        older = files.find_latest_complete(self.save_dir, before=files.iteration_of(path)).path
         where = (
             f"move {path.name} out of {self.save_dir} (to keep it) or delete it, then run the same command"
         )
