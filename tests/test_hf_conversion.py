@@ -15,7 +15,16 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, load_tool, run_tool, torchrun, torchrun_env, train_losses, write_config
+from conftest import (
+    ROOT,
+    load_tool,
+    run_tool,
+    single_rank,
+    torchrun,
+    torchrun_env,
+    train_losses,
+    write_config,
+)
 from safetensors.torch import load_file, save_file
 
 from megatron_train.hf.model_dir import read_hf_config
@@ -262,6 +271,22 @@ def test_trained_checkpoint_exports_and_generates_text_in_transformers(tmp_path,
     with_hf = run_tool(*greedy)
     with_spm = run_tool(*greedy, "--tokenizer", str(corpus["tokenizer"]), "--tokenizer-type", "sentencepiece")
     assert with_hf.stdout.startswith("ids: ") and with_spm.stdout == with_hf.stdout
+
+
+@pytest.mark.slow
+def test_a_model_whose_tokenizer_transformers_would_load_otherwise_is_not_exported(tmp_path, corpus):
+    """QKV biases export as Qwen2ForCausalLM, whose tokenizer transformers' AutoTokenizer always
+    builds as Qwen2's byte-level BPE: the run's SentencePiece model would split text otherwise."""
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", model={"qkv_bias": True},
+                          train={"steps": 3, "eval_interval": 0})  # fmt: skip
+    result = single_rank(config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "hf"
+    _expect_error(
+        "export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out),
+        needle="in a Qwen2ForCausalLM directory, transformers' AutoTokenizer loads the run's tokenizer as "
+        "Qwen2Tokenizer, which splits text otherwise", out=out,
+    )  # fmt: skip
 
 
 def _expect_error(*args: str, needle: str, out=None) -> None:

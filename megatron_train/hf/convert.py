@@ -276,7 +276,40 @@ def _hf_side(
     special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
     config = family_of(model).hf_config(model, dtype, special)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _check_auto_tokenizer(out, tokenizer, config["architectures"][0])
     return dtype
+
+
+# Code, indentation, digits and letters outside ASCII: where tokenizers' pipelines differ.
+_PROBE = "def main(x):\n    return  x + 1  # héllo wörld 2024 日本"
+
+
+def _check_auto_tokenizer(out: Path, saved, architecture: str) -> None:
+    """transformers' AutoTokenizer, as every user of the export loads it, must read back the
+    tokenizer saved: for some model types it builds its own class whatever tokenizer_config.json
+    names (for every Qwen2 model, Qwen2's byte-level BPE), which splits text otherwise."""
+    import transformers
+
+    try:
+        loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    except Exception as err:  # tokenizers, sentencepiece and transformers raise many kinds
+        loaded, why = None, f"fails to load the run's tokenizer ({reason(err)})"
+    if loaded is not None:
+        theirs, ours = (t(_PROBE, add_special_tokens=False)["input_ids"] for t in (loaded, saved))
+        if len(loaded) == len(saved) and theirs == ours:
+            return
+        why = (
+            f"loads the run's tokenizer as {type(loaded).__name__}, which splits text otherwise "
+            f"({_PROBE[:12]!r} gives {theirs[:6]} instead of {ours[:6]})"
+            if theirs != ours
+            else f"loads the run's tokenizer as {type(loaded).__name__}, with {len(loaded)} tokens "
+            f"instead of {len(saved)}"
+        )
+    raise ConversionError(
+        f"in a {architecture} directory, transformers' AutoTokenizer {why}: the model is not exported, as "
+        "its users would tokenize text otherwise than it trained on; keep it as a megatron-train "
+        "checkpoint (tools/generate.py samples from it)"
+    )
 
 
 def _export_tokenizer(tokenizer: dict, path: Path | None, out: Path):
