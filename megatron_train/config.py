@@ -190,7 +190,10 @@ class ModelConfig:
     Engine's spec, which always does). Compiles at the first step (C++ on a CPU). Already part of
     the compiled layers under model.compile."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE."""
+    """Kernel for the local spec's SDPA attention; ``auto`` lets PyTorch choose. Ignored by TE.
+    Refused at the start where PyTorch has no such kernel for the model: ``cudnn`` and ``efficient``
+    without CUDA; ``flash`` with attention dropout on a CPU, with ``data.document_mask`` on CUDA;
+    ``flash`` and ``cudnn`` in fp32 on CUDA."""
     compile: bool = False
     """torch.compile each transformer layer and the loss, as torchtitan compiles each block and
     its loss, so the norms, rotary embedding, SwiGLU and residual adds around the matmuls are

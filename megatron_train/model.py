@@ -21,7 +21,7 @@ from megatron_train.megatron_compat import (
     recompute_without_transformer_engine,
 )
 from megatron_train.models.registry import family_of
-from megatron_train.runtime import Runtime
+from megatron_train.runtime import Runtime, compute_dtype
 
 
 def transformer_engine_missing() -> str | None:
@@ -57,14 +57,39 @@ def layer_implementation(cfg: ExperimentConfig) -> tuple[bool, str]:
 
 
 def check_attention_backend(cfg: ExperimentConfig) -> None:
-    """Refuse an SDPA kernel this machine lacks: PyTorch has cuDNN and memory-efficient attention
-    only on CUDA, and SDPA fails in the first forward step without one."""
-    backend = cfg.model.attention_backend
-    if backend in ("cudnn", "efficient") and not torch.cuda.is_available():
+    """Refuse an SDPA kernel this machine cannot run for the model, which SDPA would only find in the
+    first forward step ("No available kernel"): PyTorch has cuDNN and memory-efficient attention
+    only on CUDA; its flash kernel has no dropout on the CPU and takes no mask on CUDA; its CUDA
+    flash and cuDNN kernels take no fp32."""
+    backend, cuda = cfg.model.attention_backend, torch.cuda.is_available()
+    if backend in ("cudnn", "efficient") and not cuda:
         raise ConfigError(
             "model.attention_backend",
             f"is {backend}, a kernel PyTorch has only on CUDA, and there is no CUDA device",
             "use auto, flash or math here",
+        )
+    if cuda and backend in ("flash", "cudnn") and compute_dtype(cfg) == torch.float32:
+        raise ConfigError(
+            "model.attention_backend",
+            f"is {backend}, whose CUDA kernel runs in bf16 or fp16 only, and the model computes in fp32 "
+            "(train.precision)",
+            "set train.precision=bf16, or model.attention_backend to auto, efficient or math",
+        )
+    if backend != "flash":
+        return
+    if not cuda and cfg.model.attention_dropout > 0:
+        raise ConfigError(
+            "model.attention_dropout",
+            f"is {cfg.model.attention_dropout}, and PyTorch's flash attention has no dropout on the CPU "
+            "(model.attention_backend=flash)",
+            "set model.attention_backend to auto or math, or model.attention_dropout=0",
+        )
+    if cuda and cfg.data.document_mask:
+        raise ConfigError(
+            "data.document_mask",
+            "gives attention a mask, which PyTorch's flash attention does not take on CUDA "
+            "(model.attention_backend=flash)",
+            "set model.attention_backend to auto, efficient or cudnn, or data.document_mask=false",
         )
 
 

@@ -670,6 +670,12 @@ CASES = [
         _train("model.attention_backend=efficient", FRESH),
         "only on CUDA",
     ),
+    Case(
+        "flash-attention-dropout-on-cpu",
+        "train",
+        _train("model.attention_backend=flash", "model.attention_dropout=0.1", FRESH),
+        "flash attention has no dropout on the CPU",
+    ),
     # train: mixture of experts
     Case("moe-on-llama", "train", _train("model.num_experts=8", FRESH), "no mixture-of-experts models"),
     Case(

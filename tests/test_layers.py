@@ -1,8 +1,11 @@
-"""The local spec's own layers (megatron_train.models.layers) under torch.compile."""
+"""The local spec's own layers (megatron_train.models.layers): under torch.compile, and the SDPA
+kernels they may ask for."""
 
 from __future__ import annotations
 
 import textwrap
+
+import pytest
 
 from tests.conftest import run_tool
 
@@ -31,3 +34,36 @@ def test_grouped_query_attention_compiles_whole_with_dynamic_shapes():
     one taken from the tensors' head counts is a symbolic bool, which SDPA refuses."""
     result = run_tool("-c", DYNAMIC_ATTENTION, check=False)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+def _sdpa_runs(backend: str, dropout: float) -> bool:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    try:
+        with sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[backend]):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_an_attention_kernel_is_refused_on_this_machine_exactly_where_pytorch_has_none(backend, dropout):
+    """The config check speaks for SDPA's kernel selection, which would fail only in the first
+    forward step: it must refuse what PyTorch cannot run here, and nothing it can."""
+    from megatron_train.config import ExperimentConfig
+    from megatron_train.errors import ConfigError
+    from megatron_train.model import check_attention_backend
+
+    cfg = ExperimentConfig()
+    cfg.model.attention_backend, cfg.model.attention_dropout = backend, dropout
+    try:
+        check_attention_backend(cfg)
+        refused = False
+    except ConfigError:
+        refused = True
+    assert refused == (not _sdpa_runs(backend, dropout))
