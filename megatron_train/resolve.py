@@ -134,7 +134,12 @@ def at_layout(saved: dict, tensor: int, pipeline: int, expert: int = 1) -> Exper
     )  # fmt: skip
     # Its training ran on other ranks; inference profiles no training steps, and leaves RoPE
     # uncompiled: without a KV cache each new token is a new sequence length, a new compile.
-    model = dataclasses.replace(cfg.model, rope_fusion=False)
+    # Kernels and layer implementation were the training machine's choice (a GPU config demands
+    # TE and may name cuDNN attention): inference takes what the machine it runs on has, with
+    # the same weights.
+    model = dataclasses.replace(
+        cfg.model, rope_fusion=False, attention_backend="auto", transformer_impl="auto"
+    )
     cfg = dataclasses.replace(cfg, model=model, parallel=parallel, profile=ProfileConfig())
     _fits_layout(cfg, tensor * pipeline * expert)
     return cfg
