@@ -350,12 +350,13 @@ def test_inference_leaves_rope_uncompiled_whatever_training_did(good_config):
 def test_inference_runs_where_the_checkpoint_was_not_trained(good_config):
     """A GPU config's checkpoint (Transformer Engine demanded, cuDNN attention) is sampled from on
     a machine without either, such as this one, where training with them is refused."""
-    from megatron_train.model import check_attention_backend, layer_implementation
+    from megatron_train.model import check_attention_backend, layer_implementation, transformer_engine_missing
 
     gpu = ["model.transformer_impl=transformer_engine", "model.attention_backend=cudnn"]
     saved = to_dict(load_config(good_config, gpu))
-    with pytest.raises(ConfigError):
-        layer_implementation(load_config(good_config, gpu))
+    if transformer_engine_missing() is not None:  # a machine with TE trains with it
+        with pytest.raises(ConfigError):
+            layer_implementation(load_config(good_config, gpu))
     cfg = at_layout(saved, tensor=1, pipeline=1)
     check_attention_backend(cfg)
     assert "model.transformer_impl=auto" in layer_implementation(cfg)[1]

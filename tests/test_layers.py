@@ -41,7 +41,9 @@ def _sdpa_runs(backend: str, dropout: float) -> bool:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    # The device and dtype the check decides for: a GPU's in bf16 (precision auto), else the CPU's.
+    on = dict(device="cuda", dtype=torch.bfloat16) if torch.cuda.is_available() else {}
+    q, k, v = (torch.randn(1, heads, 8, 16, **on) for heads in (4, 2, 2))
     try:
         with sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[backend]):
             F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=True)
