@@ -219,6 +219,24 @@ def _common_changed_in_place(ckpt: Path) -> None:
     _record_size_only(ckpt, "common.pt")
 
 
+def _trained_elsewhere(ckpt: Path) -> None:
+    """The checkpoint of a run whose config named its tokenizer by a path relative to the folder
+    training ran in (as configs/demo.yaml does), recorded whole: nothing in it is damaged."""
+    import torch
+
+    from megatron_train.checkpoint.files import sha256_of
+
+    common = torch.load(ckpt / "common.pt", weights_only=True)
+    common["config"]["data"]["tokenizer"]["path"] = "runs/demo/data/spm.model"
+    torch.save(common, ckpt / "common.pt")
+    record = json.loads((ckpt / "complete.json").read_text())
+    record["files"]["common.pt"] = {
+        "size": (ckpt / "common.pt").stat().st_size,
+        "sha256": sha256_of(ckpt / "common.pt"),
+    }
+    (ckpt / "complete.json").write_text(json.dumps(record))
+
+
 def _metadata_key_changed_in_place(ckpt: Path) -> None:
     """DCP's .metadata with one tensor's name mangled, its recorded size updated but not its
     checksum: a file changed in place, as a flipped bit leaves it."""
@@ -585,6 +603,14 @@ CASES = [
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--prompt", "def", "--prompt", "class"),
         "argument --prompt: given twice ('def', then 'class')",
+    ),
+    # it said "train one with tools/train_tokenizer.py", as if the run had none
+    Case(
+        "generate-tokenizer-relative-to-where-training-ran",
+        "generate",
+        _args("--ckpt", "WS/cases/generate-tokenizer-relative-to-where-training-ran/ckpt", "--prompt", "def"),
+        "'runs/demo/data/spm.model' (data.tokenizer.path in the checkpoint's config) does not exist from",
+        _copy_ckpt(_trained_elsewhere),
     ),
     # it named a tensor the model has no place for, as if the architecture were another one
     Case(

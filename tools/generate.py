@@ -13,6 +13,7 @@ Exit codes: 0 done, 2 bad input.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -127,6 +128,14 @@ def generate(args: argparse.Namespace) -> None:
     else:
         tok_path = args.tokenizer or cfg.data.tokenizer.path
         kind = args.tokenizer_type or cfg.data.tokenizer.type
+        if args.tokenizer is None and tok_path is not None and not Path(tok_path).exists():
+            # A relative path in the run's config is relative to where training ran.
+            raise ConfigError(
+                "--tokenizer",
+                f"the run's tokenizer {tok_path!r} (data.tokenizer.path in the checkpoint's config) does "
+                f"not exist from {os.getcwd()}",
+                "pass --tokenizer with where it is now, or run from where training ran",
+            )
         tokenizer = checked_tokenizer(kind, tok_path, key="--tokenizer", type_key="--tokenizer-type")
         if tokenizer.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
