@@ -612,6 +612,19 @@ CASES = [
         "'runs/demo/data/spm.model' (data.tokenizer.path in the checkpoint's config) does not exist from",
         _copy_ckpt(_trained_elsewhere),
     ),
+    Case(
+        "export-hf-tokenizer-relative-to-where-training-ran",
+        "convert",
+        _args(
+            "export-hf",
+            "--ckpt",
+            "WS/cases/export-hf-tokenizer-relative-to-where-training-ran/ckpt",
+            "--out",
+            "WS/cases/export-hf-tokenizer-relative-to-where-training-ran/hf",
+        ),
+        "'runs/demo/data/spm.model' (data.tokenizer.path in its config) does not exist; pass --tokenizer",
+        _copy_ckpt(_trained_elsewhere),
+    ),
     # it named a tensor the model has no place for, as if the architecture were another one
     Case(
         "generate-metadata-changed-in-place",

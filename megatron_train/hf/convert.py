@@ -317,6 +317,8 @@ def _export_tokenizer(tokenizer: dict, path: Path | None, out: Path):
     format into ``out``; returns it."""
     import transformers
 
+    if path is not None and not path.exists():
+        raise ConversionError(f"--tokenizer {str(path)!r} does not exist; pass the run's tokenizer")
     path = path or Path(tokenizer["path"])
     if not path.exists():
         raise ConversionError(
