@@ -27,6 +27,19 @@ def name_room(suffixes: tuple[str, ...]) -> int:
     return NAME_MAX - max(len(suffix) for suffix in suffixes) - TEMPORARY_NAME_EXTRA
 
 
+def check_name_room(key: str, path: Path, suffixes: tuple[str, ...] = ("",)) -> None:
+    """``path``'s name leaves room for the endings a tool adds to it (one of ``suffixes``, and a
+    temporary name while it writes): a name the file system takes could fail only at the end."""
+    allowed = name_room(suffixes)
+    if len(path.name.encode()) > allowed:
+        raise ConfigError(
+            key,
+            f"its file name is {len(path.name.encode())} bytes long, and with the ending the tool "
+            f"adds (a suffix, a temporary name) it would pass the file system's {NAME_MAX} bytes a name",
+            f"shorten {path.name[:20]}... to at most {allowed} bytes",
+        )
+
+
 @contextmanager
 def made_dir(path: Path) -> Iterator[Path]:
     """``path`` as a directory, with its missing parents created; if the body fails, the folders
@@ -185,14 +198,7 @@ def output_prefix(key: str, text: str, suffixes: tuple[str, ...]) -> Path:
             f"drop the suffix: {key} {text[: -len(given)]}",
         )
     prefix = Path(text)
-    allowed = name_room(suffixes)
-    if len(prefix.name.encode()) > allowed:
-        raise ConfigError(
-            key,
-            f"its file name is {len(prefix.name.encode())} bytes long, and with the ending the tool "
-            f"adds (a suffix, a temporary name) it would pass the file system's {NAME_MAX} bytes a name",
-            f"shorten {prefix.name[:20]}... to at most {allowed} bytes",
-        )
+    check_name_room(key, prefix, suffixes)
     check_output_dir(key, prefix.parent)
     # After the length checks: Path.exists raises for a name or path the file system refuses.
     if all(suffixes) and prefix.exists() and not (prefix.is_file() or prefix.is_dir()):

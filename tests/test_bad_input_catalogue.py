@@ -147,6 +147,7 @@ def _link(rel: str, target: str) -> Callable[[Path, str], None]:
 
 
 LONG_NAME = "n" * 300  # file systems allow 255 bytes a name
+ROOMLESS_NAME = "n" * 250  # a name the file system takes, without room for a temporary ending
 
 
 def _copy_ckpt(damage: Callable[[Path], None] | None = None) -> Callable[[Path, str], None]:
@@ -680,6 +681,19 @@ CASES = [
         "generate",
         _args("--ckpt", f"WS/{CKPT}", "--prompt", "x", "--tokenizer", ""),
         "argument --tokenizer: an empty value",
+    ),
+    # both said a path ".nnn...nnn.partial-<pid>" of their own was too long, not what to shorten
+    Case(
+        "export-hf-out-name-without-room",
+        "convert",
+        _args("export-hf", "--ckpt", f"WS/{CKPT}", "--out", f"WS/cases/{ROOMLESS_NAME}"),
+        "config error at '--out': its file name is 250 bytes long",
+    ),
+    Case(
+        "import-hf-out-name-without-room",
+        "convert",
+        _args("import-hf", "--hf", "WS/hf", "--out", f"WS/cases/{ROOMLESS_NAME}"),
+        "config error at '--out': its file name is 250 bytes long",
     ),
     Case(
         "export-hf-out-given-twice",

@@ -40,7 +40,7 @@ from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_wei
 from megatron_train.init import fill_weights
 from megatron_train.models.family import Family, Index
 from megatron_train.models.registry import family_of
-from megatron_train.outputs import check_output_dir, made_dir, publish
+from megatron_train.outputs import check_name_room, check_output_dir, made_dir, publish
 from megatron_train.resolve import imported_config
 
 SIDE_DIR = "hf"
@@ -53,6 +53,7 @@ def _staging(out: Path) -> Iterator[Path]:
     out = Path(out)
     if os.path.lexists(out):  # a link that leads nowhere, too: the rename would replace it
         raise ConversionError(f"{out} already exists; choose another output directory or remove it")
+    check_name_room("--out", out)
     check_output_dir("--out", out.parent)
     with made_dir(out.parent):
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
