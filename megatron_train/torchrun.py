@@ -137,6 +137,20 @@ def launch_problem(args: argparse.Namespace) -> str | None:
         min_nodes = max_nodes = 0
     if not 0 < min_nodes <= max_nodes:
         return f"--nnodes {args.nnodes}: not a node count. Fix: give N, or MIN:MAX with 1 <= MIN <= MAX"
+    if max_nodes * local_world_size > _MAX_WORLD:
+        # torch's TCPStore takes the count as a C int: a traceback from the rendezvous otherwise.
+        return (
+            f"--nnodes {args.nnodes}: {max_nodes * local_world_size:,} ranks in all, more than "
+            f"torch.distributed can number ({_MAX_WORLD:,}). Fix: give the number of nodes the job has"
+        )
+    if args.standalone and min_nodes > 1:
+        # The standalone rendezvous listens on a free port of this node that no other node is told.
+        return (
+            f"--nnodes {args.nnodes}: --standalone keeps the rendezvous to this node, so it would wait "
+            f"for {min_nodes - 1} more node(s) that cannot join. Fix: drop --standalone and start every "
+            "node with --rdzv-backend c10d --rdzv-endpoint FIRST_NODE:PORT, or use --nnodes 1 (under Slurm: "
+            "launch/submit.py)"
+        )
     if args.max_restarts < 0:
         return f"--max-restarts {args.max_restarts}: below 0. Fix: give 0 (no restart) or more"
     if args.master_port is not None and not 0 < args.master_port < 65536:
@@ -156,6 +170,9 @@ def launch_problem(args: argparse.Namespace) -> str | None:
         )
     return _rendezvous_problem(args) or _agent_problem(args) or _output_problem(args, local_world_size)
 
+
+_MAX_WORLD = 2**31 - 1
+"""The most ranks torch.distributed numbers (a C int)."""
 
 # torch's rendezvous backends; another name is torch's "is not registered" traceback.
 _RENDEZVOUS_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")

@@ -130,6 +130,8 @@ TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
         # static rendezvous waiting forever, minutes of retries for an unknown address, its usage
         (["--nnodes", "0", *TRAIN], "--nnodes 0: not a node count"),
         (["--nnodes", "2:1", *TRAIN], "--nnodes 2:1: not a node count"),
+        (["--standalone", "--nnodes", "2", *TRAIN], "--nnodes 2: --standalone keeps the rendezvous"),
+        (["--nnodes", "99999999999", *TRAIN], "--nnodes 99999999999: 99,999,999,999 ranks in all"),
         (["--max-restarts", "-1", *TRAIN], "--max-restarts -1: below 0"),
         (["--master-port", "99999", *TRAIN], "--master-port 99999: not a port"),
         (["--nnodes", "2", "--rdzv-endpoint", "host:port", *TRAIN], "--rdzv-endpoint host:port"),
