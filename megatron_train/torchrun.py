@@ -171,6 +171,8 @@ def launch_problem(args: argparse.Namespace) -> str | None:
     return _rendezvous_problem(args) or _agent_problem(args) or _output_problem(args, local_world_size)
 
 
+_MAX_MONITOR_INTERVAL = 60
+
 _MAX_WORLD = 2**31 - 1
 """The most ranks torch.distributed numbers (a C int)."""
 
@@ -211,6 +213,14 @@ def _agent_problem(args: argparse.Namespace) -> str | None:
     a traceback once the rendezvous is done."""
     if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
         return f"--monitor-interval {args.monitor_interval:g}: not a time to wait. Fix: give seconds above 0"
+    if args.monitor_interval > _MAX_MONITOR_INTERVAL:
+        # Milliseconds mistaken for seconds: the launcher sleeps that long between looks at its
+        # ranks, so a finished or failed run seemed to hang (beyond time_t, a traceback).
+        return (
+            f"--monitor-interval {args.monitor_interval:g}: seconds between the launcher's looks at its "
+            f"ranks; a run that ended would go unnoticed that long. Fix: give at most "
+            f"{_MAX_MONITOR_INTERVAL} (torchrun's default is 0.1)"
+        )
     try:
         get_logging_handler(args.event_log_handler)
     except KeyError:

@@ -148,6 +148,12 @@ TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
         ),
         (["--monitor-interval", "0", *TRAIN], "--monitor-interval 0: not a time to wait"),
         (["--monitor-interval", "nan", *TRAIN], "--monitor-interval nan: not a time to wait"),
+        (
+            ["--monitor-interval", "500", *TRAIN],
+            "--monitor-interval 500: seconds between the launcher's looks at its ranks; a run that ended "
+            "would go unnoticed that long. Fix: give at most 60",
+        ),
+        (["--monitor-interval", "99999999999", *TRAIN], "--monitor-interval 1e+11: seconds between"),
         (["--event-log-handler", "file", *TRAIN], "--event-log-handler file: no such handler"),
         (["--logs-specs", "json", *TRAIN], "--logs-specs json: no such logs spec"),
         (["--tee", "4", *TRAIN], "--tee 4: not a choice of streams"),
