@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import determine_local_world_size, get_args_parser, parse_min_max_nnodes, run
 
 from megatron_train import cli
-from megatron_train.errors import ConfigError
+from megatron_train.errors import ConfigError, unusable_path
 from megatron_train.host_memory import available_memory
 from megatron_train.outputs import check_output_dir
 from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
@@ -259,6 +259,10 @@ def _output_problem(args: argparse.Namespace, local_world_size: int) -> str | No
             check_output_dir("--log-dir", Path(args.log_dir))
         except ConfigError as err:
             return f"--log-dir {args.log_dir}: {err.problem}. Fix: {err.fix}"
+        except OSError as err:  # a name or path longer than the file system allows
+            if (line := unusable_path(err)) is None:
+                raise
+            return f"--log-dir: {line}"
     return None
 
 

@@ -164,6 +164,7 @@ TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
             "--local-ranks-filter 2,3: names none",
         ),
         (["--log-dir", "configs/demo.yaml/logs", *TRAIN], "--log-dir configs/demo.yaml/logs: configs/demo"),
+        (["--log-dir", "n" * 300, *TRAIN], "--log-dir: the path '"),
         (["--standalone", "--bogus", *TRAIN], "unrecognized arguments: --bogus"),
         ([], "the following arguments are required: training_script"),
     ],
