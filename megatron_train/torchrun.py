@@ -209,8 +209,9 @@ def _rendezvous_problem(args: argparse.Namespace) -> str | None:
 
 
 def _agent_problem(args: argparse.Namespace) -> str | None:
-    """--monitor-interval, --event-log-handler and --logs-specs, which the agent would refuse with
-    a traceback once the rendezvous is done."""
+    """--monitor-interval, --event-log-handler, --logs-specs, --signals-to-handle and
+    --shutdown-timeout, which the agent would refuse with a traceback (or, for a signal it does
+    not know, a traceback as a warning, and the signal not passed on) once the rendezvous is done."""
     if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
         return f"--monitor-interval {args.monitor_interval:g}: not a time to wait. Fix: give seconds above 0"
     if args.monitor_interval > _MAX_MONITOR_INTERVAL:
@@ -229,6 +230,19 @@ def _agent_problem(args: argparse.Namespace) -> str | None:
         names = sorted(e.name for e in entry_points(group="torchrun.logs_specs"))
         if args.logs_specs not in names:
             return f"--logs-specs {args.logs_specs}: no such logs spec. Fix: use one of {', '.join(names)}"
+    for name in args.signals_to_handle.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+            return (
+                f"--signals-to-handle {args.signals_to_handle}: {name.strip()!r} is not a signal the "
+                "launcher can catch and pass on to the ranks. Fix: name signals such as "
+                "SIGTERM,SIGINT,SIGUSR1"
+            )
+    if args.shutdown_timeout is not None and args.shutdown_timeout < 0:
+        return (
+            f"--shutdown-timeout {args.shutdown_timeout}: below 0. Fix: give the seconds the ranks have to "
+            "stop after SIGTERM before SIGKILL, 0 or more"
+        )
     return None
 
 

@@ -165,6 +165,15 @@ TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
         ),
         (["--log-dir", "configs/demo.yaml/logs", *TRAIN], "--log-dir configs/demo.yaml/logs: configs/demo"),
         (["--log-dir", "n" * 300, *TRAIN], "--log-dir: the path '"),
+        (
+            ["--signals-to-handle", "SIGTERM,SIGFOO", *TRAIN],
+            "--signals-to-handle SIGTERM,SIGFOO: 'SIGFOO' is not",
+        ),
+        (
+            ["--signals-to-handle", "SIGKILL", *TRAIN],
+            "--signals-to-handle SIGKILL: 'SIGKILL' is not a signal",
+        ),
+        (["--shutdown-timeout", "-1", *TRAIN], "--shutdown-timeout -1: below 0"),
         (["--standalone", "--bogus", *TRAIN], "unrecognized arguments: --bogus"),
         ([], "the following arguments are required: training_script"),
     ],
