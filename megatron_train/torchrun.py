@@ -11,6 +11,7 @@ failure names the first failed rank and exits 1.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import math
 import os
@@ -186,6 +187,11 @@ def _rendezvous_problem(args: argparse.Namespace) -> str | None:
     a C++ trace after minutes of retries."""
     if args.rdzv_backend not in _RENDEZVOUS_BACKENDS:
         return f"--rdzv-backend {args.rdzv_backend}: not a rendezvous backend. Fix: use c10d (or static)"
+    if args.rdzv_backend.startswith("etcd") and importlib.util.find_spec("etcd") is None:
+        return (
+            f"--rdzv-backend {args.rdzv_backend}: needs the python-etcd package (and an etcd server), which "
+            "this environment lacks. Fix: use c10d, torch's own rendezvous on the first node"
+        )
     for option in filter(None, args.rdzv_conf.split(",")):
         key, _, value = option.partition("=")
         if not key.strip() or not value.strip():

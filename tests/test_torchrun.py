@@ -137,6 +137,7 @@ TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
         (["--nnodes", "2", "--rdzv-endpoint", "host:port", *TRAIN], "--rdzv-endpoint host:port"),
         (["--nnodes", "2", "--rdzv-backend", "static", "--node-rank", "2", *TRAIN], "--node-rank 2: outside"),
         (["--rdzv-backend", "etcd3", *TRAIN], "--rdzv-backend etcd3: not a rendezvous backend"),
+        (["--rdzv-backend", "etcd", *TRAIN], "--rdzv-backend etcd: needs the python-etcd package"),
         (
             ["--rdzv-conf", "join_timeout", *TRAIN],
             "--rdzv-conf join_timeout: 'join_timeout' is not key=value",
