@@ -116,6 +116,12 @@ def launch_problem(args: argparse.Namespace) -> str | None:
     # torchrun leaves CUDA_VISIBLE_DEVICES alone, so every rank here sees these GPUs and takes
     # LOCAL_RANK % count: two would share one, which NCCL refuses with a traceback per rank.
     gpus = torch.cuda.device_count()
+    if args.numa_binding and not gpus:
+        # torch reads each rank's GPU to find its NUMA node: an AssertionError without CUDA.
+        return (
+            f"--numa-binding {args.numa_binding}: binds each rank to the NUMA node of its GPU, and this node "
+            "shows no GPU. Fix: leave --numa-binding out"
+        )
     if 0 < gpus < local_world_size:
         return (
             f"--nproc-per-node {args.nproc_per_node}: {local_world_size} ranks for the {gpus} GPU(s) this "
@@ -187,7 +193,12 @@ def _rendezvous_problem(args: argparse.Namespace) -> str | None:
     a C++ trace after minutes of retries."""
     if args.rdzv_backend not in _RENDEZVOUS_BACKENDS:
         return f"--rdzv-backend {args.rdzv_backend}: not a rendezvous backend. Fix: use c10d (or static)"
-    if args.rdzv_backend.startswith("etcd") and importlib.util.find_spec("etcd") is None:
+    # --standalone replaces the backend with c10d.
+    if (
+        not args.standalone
+        and args.rdzv_backend.startswith("etcd")
+        and importlib.util.find_spec("etcd") is None
+    ):
         return (
             f"--rdzv-backend {args.rdzv_backend}: needs the python-etcd package (and an etcd server), which "
             "this environment lacks. Fix: use c10d, torch's own rendezvous on the first node"

@@ -190,6 +190,14 @@ def test_torchrun_refuses_its_own_bad_arguments_in_one_line_before_any_rank(args
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the binding needs no GPU to be refused")
+def test_torchrun_refuses_numa_binding_without_a_gpu(capsys):
+    assert main(["--numa-binding", "node", *TRAIN]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --numa-binding node: binds each rank to the NUMA node of its GPU"), err
+    assert len(err.splitlines()) == 1
+
+
 def test_torchrun_refuses_more_ranks_than_the_gpus_it_sees(capsys, monkeypatch):
     """Two ranks on one GPU: NCCL's answer is a "Duplicate GPU detected" traceback from each rank.
     The node's GPUs are a count torch reports; here it reports one, as the lent H100 machine does."""
