@@ -31,6 +31,26 @@ if _OUR_COMMAND and find_spec("torch") is None:
     )
     sys.exit(2)
 
+
+def _working_directory_exists() -> bool:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# torch's import reads the working directory: one removed (or replaced, as a clean build or a
+# test's temporary folder does) under the shell ended in its FileNotFoundError traceback.
+if _OUR_COMMAND and not _working_directory_exists():
+    where = f" ({os.environ['PWD']})" if os.environ.get("PWD") else ""
+    print(
+        f"error: the current directory{where} no longer exists: it was removed or replaced after the shell "
+        'entered it. Fix: cd to an existing directory (cd "$PWD" if it was made again) and run it again',
+        file=sys.stderr,
+    )
+    sys.exit(2)
+
 # torchrun starts its ranks in sessions of their own, and a rank imports for seconds before it
 # meets the others at its launcher: from this first moment, it ends with the launcher.
 if _OUR_COMMAND:

@@ -118,6 +118,31 @@ def test_every_command_refuses_a_python_without_the_project(tmp_path):
         ], command
 
 
+def test_every_command_refuses_a_working_directory_that_no_longer_exists(tmp_path):
+    """A shell left in a folder that was removed (a clean build, a test's temporary folder): each
+    command is one line and exit code 2, not the FileNotFoundError of torch's import, which reads
+    the working directory."""
+    commands = [[str(tool), "--help"] for tool in sorted((ROOT / "tools").glob("*.py"))]
+    commands += [[str(ROOT / "launch" / "submit.py"), "--help"], ["-m", "megatron_train.train", "--help"]]
+    commands += [["-m", "megatron_train.torchrun", "--standalone", *TRAIN]]
+    gone = tmp_path / "gone"
+    for command in commands:
+        if command[0].endswith("use_checkout.py"):
+            continue
+        gone.mkdir()
+        script = 'cd "$1" && rmdir "$1" && shift && exec "$@"'
+        result = subprocess.run(
+            ["bash", "-c", script, "bash", str(gone), sys.executable, *command],
+            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        assert (result.returncode, result.stdout) == (2, ""), (command, result.stderr)
+        assert result.stderr.splitlines() == [
+            f"error: the current directory ({gone}) no longer exists: it was removed or replaced after the "
+            'shell entered it. Fix: cd to an existing directory (cd "$PWD" if it was made again) and run it '
+            "again"
+        ], command
+
+
 TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
 
 
