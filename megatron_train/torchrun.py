@@ -179,6 +179,8 @@ def launch_problem(args: argparse.Namespace) -> str | None:
 
 
 _MAX_MONITOR_INTERVAL = 60
+"""The longest --monitor-interval taken, in seconds: torchrun's default is 0.1, and a value past
+a minute is milliseconds written as seconds."""
 
 _MAX_WORLD = 2**31 - 1
 """The most ranks torch.distributed numbers (a C int)."""
