@@ -164,10 +164,15 @@ def launch_problem(args: argparse.Namespace) -> str | None:
         return f"--master-port {args.master_port}: not a port. Fix: use a free port from 1 to 65535"
     if args.rdzv_endpoint and not args.standalone:
         try:
-            parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+            _, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=-1)
         except ValueError as err:
             return (
                 f"--rdzv-endpoint {args.rdzv_endpoint}: {str(err).rstrip('.')}. Fix: give HOST or HOST:PORT"
+            )
+        if port == -1 and args.rdzv_backend == "static":  # c10d alone has a default port
+            return (
+                f"--rdzv-endpoint {args.rdzv_endpoint}: the static rendezvous (--rdzv-backend static, the "
+                "default) needs a port. Fix: give HOST:PORT, or use --rdzv-backend c10d"
             )
     # A static rendezvous waits forever for a node of a rank beyond its count.
     if args.rdzv_backend == "static" and max_nodes > 1 and not 0 <= args.node_rank < max_nodes:

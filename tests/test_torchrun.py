@@ -160,6 +160,7 @@ TRAIN = ["-m", "megatron_train.train", "--config", "configs/demo.yaml"]
         (["--max-restarts", "-1", *TRAIN], "--max-restarts -1: below 0"),
         (["--master-port", "99999", *TRAIN], "--master-port 99999: not a port"),
         (["--nnodes", "2", "--rdzv-endpoint", "host:port", *TRAIN], "--rdzv-endpoint host:port"),
+        (["--rdzv-endpoint", "node1", *TRAIN], "--rdzv-endpoint node1: the static rendezvous"),
         (["--nnodes", "2", "--rdzv-backend", "static", "--node-rank", "2", *TRAIN], "--node-rank 2: outside"),
         (["--rdzv-backend", "etcd3", *TRAIN], "--rdzv-backend etcd3: not a rendezvous backend"),
         (["--rdzv-backend", "etcd", *TRAIN], "--rdzv-backend etcd: needs the python-etcd package"),
