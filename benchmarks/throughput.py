@@ -482,7 +482,7 @@ def _check_here(args) -> None:
 
 
 def worker(args) -> None:
-    m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
+    m = shape(args)
     if args.worker == "ours":
         run_ours(args, m, te=False)
     elif args.worker == "ours-te":
@@ -528,7 +528,7 @@ def _table(results: dict[str, dict | str], peak: float | None, m: dict, args) ->
     return "\n".join(lines)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated subset of "
                         + ", ".join(FRAMEWORKS))  # fmt: skip
@@ -558,6 +558,16 @@ def main() -> int:
     parser.add_argument("--profile", help="write a torch profiler trace of two steps per framework here")
     parser.add_argument("--log-dir", help="keep each framework's full output here")
     parser.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
+    return parser
+
+
+def shape(args) -> dict:
+    """The benchmark model and sequence that ``args`` ask for."""
+    return TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
+
+
+def main() -> int:
+    parser = build_parser()
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -567,7 +577,7 @@ def main() -> int:
         parser.error(f"--frameworks: unknown framework {unknown[0]!r}; choose from {', '.join(FRAMEWORKS)}")
     if twice := [name for i, name in enumerate(names) if name in names[:i]]:
         parser.error(f"--frameworks: {twice[0]!r} is given twice (its table has one row each)")
-    m = TINY if args.tiny else {**LLAMA3_1B, "seq": args.seq}
+    m = shape(args)
     # A bad --set, shape or output path is one line here, not a traceback in each framework's process.
     if code := cli.run(lambda: (_check_here(args), _check_experiment(m, args))):
         return code

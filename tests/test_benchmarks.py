@@ -169,29 +169,49 @@ def _dry_run(out: Path, steps: list[str]) -> dict[str, str]:
     return outputs
 
 
+def test_every_planned_throughput_step_parses_and_resolves_its_config(tmp_path, monkeypatch):
+    """Each throughput step of the GPU plans (with and without a TE wheelhouse) and of the CPU dry
+    run: its flags parse and its model config resolves and validates, at the shape it runs. The dry
+    runs below run only the steps that reach code no other step reaches."""
+    session, throughput = load_tool("benchmarks/gpu_session.py"), load_tool("benchmarks/throughput.py")
+    # The install step's probes decide only whether that step is planned; it runs no benchmark.
+    monkeypatch.setattr(session, "_imports", lambda module: True)
+    (tmp_path / "transformer_engine_torch-2.11.0.tar.gz").write_bytes(b"")
+    plans = [(True, tmp_path / "none"), (False, tmp_path / "none"), (False, tmp_path)]
+    checked = set()
+    for cpu, wheelhouse in plans:
+        for step in session.plan(cpu=cpu, out=tmp_path / "out", wheelhouse=wheelhouse):
+            if step.argv[1] != "benchmarks/throughput.py":
+                continue
+            args = throughput.build_parser().parse_args(step.argv[2:])
+            assert args.tiny == cpu and args.device == ("cpu" if cpu else "cuda"), step
+            throughput._check_experiment(throughput.shape(args), args)
+            checked.add(step.name)
+    assert {"rope_compiled", "fused_loss", "throughput_compiled", "te_all_options"} <= checked
+
+
 # The plan in the two calls a session makes of it (README), one test each so that the two halves
-# of the longest dry run run side by side.
-def test_gpu_session_dry_run_first_call_eager_and_compiled_rows(tmp_path):
-    """Ours eager beside the baselines, then every option at micro-batch 4 x 2, eager and
-    compiled, with and without the fused weight-gradient accumulation."""
-    steps = ["throughput_eager", "all_options", "compiled_all_options", "compiled_wgrad_fused"]
+# of the longest dry run run side by side. Each option alone and the compiled defaults are the
+# all-options steps' code at fewer flags (their flags are checked above).
+def test_gpu_session_dry_run_first_call_every_option_eager_and_compiled(tmp_path):
+    """Every option at micro-batch 4 x 2, eager and compiled, with and without the fused
+    weight-gradient accumulation."""
+    steps = ["all_options", "compiled_all_options", "compiled_wgrad_fused"]
     outputs = _dry_run(tmp_path / "dry", steps)
     assert "micro-batch 4 x 2 accumulation" in outputs["all_options"]
-    assert "model.rope_fusion=true, model.cross_entropy_fusion=true" in outputs["all_options"]
-    assert "wgrad GEMMs accumulate into main_grad" in outputs["throughput_eager"]
+    notes = "wgrad GEMMs accumulate into main_grad, model.rope_fusion=true, model.cross_entropy_fusion=true"
+    assert notes in outputs["all_options"]
     # model.compile leaves the fusion off unless asked for it.
+    assert "torch.compile" in outputs["compiled_all_options"]
     assert "main_grad" not in outputs["compiled_all_options"].split("framework")[-1]
     assert "torch.compile, wgrad GEMMs accumulate into main_grad" in outputs["compiled_wgrad_fused"]
 
 
-def test_gpu_session_dry_run_second_call_profile_and_single_options_and_a_spent_budget(tmp_path):
-    """The profiler's table and trace, the compiled defaults, each option alone, the
-    cross-entropy benchmark's rows (one per mode); a spent budget skips every step."""
-    steps = ["profile", "throughput_compiled", "rope_compiled", "fused_loss", "cross_entropy_memory"]
+def test_gpu_session_dry_run_second_call_profile_and_cross_entropy_and_a_spent_budget(tmp_path):
+    """The profiler's table and trace, the cross-entropy benchmark's rows (one per mode); a spent
+    budget skips every step."""
+    steps = ["profile", "cross_entropy_memory"]
     outputs = _dry_run(tmp_path / "dry", steps)
-    assert "torch.compile" in outputs["throughput_compiled"]
-    assert "model.rope_fusion=true" in outputs["rope_compiled"]
-    assert "model.cross_entropy_fusion=true" in outputs["fused_loss"].split("framework")[-1]
     table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()
     assert re.match(r"per traced step: [\d.]+ ms wall\n", table) and "aten::mm" in table
     shares = [int(share) for share in re.findall(r"^[A-Za-z(), ]+ +[\d.]+ +(\d+)%$", table, re.M)]
