@@ -147,7 +147,7 @@ def decoder_family(
 ) -> Family:
     """A family of these decoders. It brings its presets, ``check`` (the options its models do
     not have), its config.json module (``ARCHITECTURES``, ``model_options``, ``caveats``,
-    ``hf_config``) and, for MoE models, where transformers keeps their tensors."""
+    ``hf_configs``, ``zero_tensors``) and, for MoE models, where transformers keeps their tensors."""
     mapping = HfMapping(moe_names)
     return Family(
         name=name,
@@ -161,7 +161,8 @@ def decoder_family(
         flops_per_token=counts.flops_per_token,
         hf_model_options=hf_config.model_options,
         hf_caveats=hf_config.caveats,
-        hf_config=hf_config.hf_config,
+        hf_configs=hf_config.hf_configs,
+        hf_zero_tensors=hf_config.zero_tensors,
         hf_names=mapping.hf_names,
         to_megatron=mapping.to_megatron,
         to_hf=mapping.to_hf,

@@ -102,8 +102,13 @@ class Family:
     """``model.*`` options for a config.json (ConversionError naming what is unsupported)."""
     hf_caveats: Callable[[dict], list[str]]
     """Differences from transformers worth a note but not a refusal."""
-    hf_config: Callable[[ModelConfig, torch.dtype, dict], dict]
-    """A config.json for a model trained here (the dict: bos / eos / pad token ids)."""
+    hf_configs: Callable[[ModelConfig, torch.dtype, dict], list[dict]]
+    """config.json candidates for a model trained here, most wanted first (the dict: bos / eos /
+    pad token ids); an export takes the first in whose directory transformers reads the run's
+    tokenizer as it is."""
+    hf_zero_tensors: Callable[[dict, ModelConfig], dict[str, tuple[int, ...]]]
+    """The transformers tensors, with their shapes, that a config.json's architecture has and our
+    model lacks, so zero in every model we hold: an export writes zeros, an import refuses others."""
     hf_names: Callable[[str, Index], list[str]]
     """The transformers tensors one slice of one of our tensors is made of."""
     to_megatron: Callable[[ModelConfig, str, Index, Getter], torch.Tensor]

@@ -39,6 +39,11 @@ def refuse(field: str, value, why: str, fix: str = UNSUPPORTED) -> None:
     raise ConversionError(f"config.json {field}={shown(value)}: {why}; {fix}")
 
 
+def no_zero_tensors(hf: dict, m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``zero_tensors`` of a family whose config.json describes no tensor our model lacks."""
+    return {}
+
+
 def flag(hf: dict, key: str, default: bool = False) -> bool:
     """A true/false field (a refusal naming it otherwise: a string "false" is true to Python)."""
     value = hf.get(key, default)

@@ -2240,6 +2240,20 @@ CASES = [
         "hf/config.json is unreadable (Expecting value: line 1 column 1 (char 0)): the checkpoint was",
         _imported_with_same_size_config("not json"),
     ),
+    # exported as it was: a GPT-2 config.json beside a Llama's weights, which transformers misreads
+    Case(
+        "export-hf-imported-config-json-of-another-model",
+        "convert",
+        _args(
+            "export-hf",
+            "--ckpt",
+            "WS/cases/export-hf-imported-config-json-of-another-model/ckpt",
+            "--out",
+            "WS/cases/o",
+        ),
+        "hf/config.json names architectures=['GPT2LMHeadModel'], not a llama model: the checkpoint was",
+        _imported_with_same_size_config('{"architectures": ["GPT2LMHeadModel"]}'),
+    ),
     # generate
     Case(
         "generate-tokenizer-name-too-long",

@@ -274,21 +274,56 @@ def test_trained_checkpoint_exports_and_generates_text_in_transformers(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_model_whose_tokenizer_transformers_would_load_otherwise_is_not_exported(
+def test_qkv_biases_with_a_sentencepiece_tokenizer_export_as_llama_with_zero_output_biases(
     tmp_path, corpus, expect_error
 ):
-    """QKV biases export as Qwen2ForCausalLM, whose tokenizer transformers' AutoTokenizer always
-    builds as Qwen2's byte-level BPE: the run's SentencePiece model would split text otherwise."""
+    """In a Qwen2ForCausalLM directory, transformers' AutoTokenizer always builds Qwen2's byte-level
+    BPE, which splits text otherwise than the run's SentencePiece model: such a model exports as
+    LlamaForCausalLM with attention biases, the output projection's zero. transformers computes
+    our logits from it and reads the run's tokens; it imports back and exports bitwise the same;
+    an output-projection bias that is not zero is refused on import."""
     config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run", model={"qkv_bias": True},
                           train={"steps": 3, "eval_interval": 0})  # fmt: skip
     result = single_rank(config)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "hf"
-    expect_error(
-        "export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out),
-        needle="in a Qwen2ForCausalLM directory, transformers' AutoTokenizer loads the run's tokenizer as "
-        "Qwen2Tokenizer, which splits text otherwise", out=out,
+    convert("export-hf", "--ckpt", str(tmp_path / "run"), "--out", str(out), "--dtype", "float32")
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["architectures"] == ["LlamaForCausalLM"] and hf_config["attention_bias"] is True
+    weights = load_file(out / "model.safetensors")
+    assert weights["model.layers.0.self_attn.q_proj.bias"].count_nonzero() > 0, "3 steps trained the biases"
+    layers, hidden = hf_config["num_hidden_layers"], hf_config["hidden_size"]
+    assert all(not weights[f"model.layers.{i}.self_attn.o_proj.bias"].count_nonzero() for i in range(layers))
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    ours = load_tokenizer("sentencepiece", str(corpus["tokenizer"])).tokenize("def main(x):\n    return x")
+    assert tokenizer("def main(x):\n    return x", add_special_tokens=False)["input_ids"] == list(ours)
+    tokens = torch.tensor([list(ours)])
+    torch.save(tokens, tmp_path / "tokens.pt")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         "tests/helpers/logits_worker.py", "--tp", "1", "--pp", "1", "--tokens", str(tmp_path / "tokens.pt"),
+         "--out", str(tmp_path / "logits.pt"), str(tmp_path / "run")],
+        cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    with torch.no_grad():
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        theirs = model(tokens).logits
+    diff = (torch.load(tmp_path / "logits.pt")[str(tmp_path / "run")] - theirs).abs().max().item()
+    assert diff <= 1e-4, diff
+
+    convert("import-hf", "--hf", str(out), "--out", str(tmp_path / "imported"))
+    convert("export-hf", "--ckpt", str(tmp_path / "imported"), "--out", str(tmp_path / "again"))
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+
+    biased = tmp_path / "biased"
+    shutil.copytree(out, biased)
+    save_file({**weights, "model.layers.2.self_attn.o_proj.bias": torch.full((hidden,), 0.01)},
+              biased / "model.safetensors")  # fmt: skip
+    expect_error("import-hf", "--hf", str(biased), "--out", str(tmp_path / "refused"),
+                 needle="'model.layers.2.self_attn.o_proj.bias' in", out=tmp_path / "refused")  # fmt: skip
 
 
 @pytest.fixture
@@ -421,7 +456,7 @@ def test_moe_options_transformers_cannot_express_are_refused_on_export(family, o
 
     m = ModelConfig(family=family, num_experts=4, qk_norm=family == "qwen3", vocab_size=300, **option)
     with pytest.raises(ConversionError, match=needle):
-        registry.family_of(m).hf_config(m, torch.float32, {})
+        registry.family_of(m).hf_configs(m, torch.float32, {})
 
 
 def test_attention_dropout_travels_with_the_model_and_a_run_may_choose_its_own(tmp_path):

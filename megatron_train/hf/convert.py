@@ -33,12 +33,13 @@ from megatron_train.checkpoint.state import (
 from megatron_train.checkpoint.streaming_save import save_weights
 from megatron_train.config import ModelConfig
 from megatron_train.config_loading import from_dict
-from megatron_train.errors import ConversionError, reason
-from megatron_train.hf.model_dir import hf_dtype, read_hf_config
+from megatron_train.errors import ConversionError, reason, shown
+from megatron_train.hf.model_dir import hf_dtype, read_hf_config, with_architecture
 from megatron_train.hf.plan import export_plan, hf_shapes
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
 from megatron_train.init import fill_weights
 from megatron_train.models.family import Family, Index
+from megatron_train.models.hf_config import UNSUPPORTED
 from megatron_train.models.registry import family_of
 from megatron_train.outputs import check_name_room, check_output_dir, made_dir, publish
 from megatron_train.resolve import imported_config
@@ -144,12 +145,21 @@ def _check_outside(out: Path, source: Path, what: str) -> None:
         raise ConversionError(f"--out {out} is inside {what} {source}; choose a folder outside it")
 
 
-def _check_weights(weights: HFWeights, family: Family, m: ModelConfig, log: Callable[[str], None]) -> None:
-    """The stored tensors hold the model config.json describes; the ones it does not take are named,
-    as transformers names the weights it leaves out of a model."""
+def _check_weights(
+    weights: HFWeights, hf: dict, family: Family, m: ModelConfig, log: Callable[[str], None]
+) -> None:
+    """The stored tensors hold the model config.json describes, those our model lacks all zero; the
+    ones it does not take are named, as transformers names the weights it leaves out of a model."""
     weights.check_counts(m.num_layers, m.num_experts)
-    expected = hf_shapes(family, m)
+    zeros = family.hf_zero_tensors(hf, m)
+    expected = {**hf_shapes(family, m), **zeros}
     weights.check_shapes(expected)
+    for name in zeros:
+        if weights.get(name).count_nonzero():
+            raise ConversionError(
+                f"tensor {name!r} in {weights.dir} is not zero, and megatron-core's GPTModel has no such "
+                f"weight (config.json's architecture has it): {UNSUPPORTED}"
+            )
     unused = weights.unused(expected)
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
@@ -170,7 +180,7 @@ def import_hf(hf_dir: Path, out: Path, tensor: int = 1, pipeline: int = 1, vocab
     _check_transformers_reads(hf_dir)
     m, family = cfg.model, family_of(cfg.model)
     weights = HFWeights(hf_dir)
-    _check_weights(weights, family, m, log)
+    _check_weights(weights, hf, family, m, log)
     dtype = _check_dtype(hf, weights)
     if _check_tokenizer(hf_dir, m.vocab_size):
         cfg.data.tokenizer.type = "huggingface"
@@ -209,7 +219,7 @@ def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig, log: Callable[[st
     one layer of one tensor at a time; ``m`` must be the architecture of its config.json."""
     weights = HFWeights(Path(hf_dir))
     family = family_of(m)
-    _check_weights(weights, family, m, log)
+    _check_weights(weights, read_hf_config(Path(hf_dir)), family, m, log)
 
     def value(key: str, index: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         return family.to_megatron(m, key, index, weights.get)
@@ -218,13 +228,24 @@ def load_hf_weights(model: list, hf_dir: Path, m: ModelConfig, log: Callable[[st
 
 
 class _CheckpointTensors:
-    """One slice of one tensor at a time from a checkpoint, converted to transformers' tensors."""
+    """One slice of one tensor at a time from a checkpoint, converted to transformers' tensors, and
+    the ``zeros`` that config.json's architecture has where our model has nothing."""
 
-    def __init__(self, path: Path, family: Family, m: ModelConfig) -> None:
-        self.path, self.family, self.m = path, family, m
+    def __init__(self, path: Path, family: Family, m: ModelConfig, zeros: dict[str, tuple[int, ...]]) -> None:
+        self.path, self.family, self.m, self.zeros = path, family, m, zeros
         self.saved = read_tensor_metadata(path)
         self.names = {name: (key, index) for key, index, names in export_plan(family, m) for name in names}
         self._pending: dict[str, torch.Tensor] = {}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor to write, in order: a zero bias right after its layer's weight."""
+        shapes = {}
+        for name, shape in hf_shapes(self.family, self.m).items():
+            shapes[name] = shape
+            bias = name.removesuffix(".weight") + ".bias"
+            if bias in self.zeros:
+                shapes[bias] = self.zeros[bias]
+        return {**shapes, **self.zeros}
 
     def _read(self, key: str, index: Index) -> torch.Tensor:
         if key not in self.saved:  # its config implies the tensor: a damaged .metadata left it out
@@ -240,55 +261,73 @@ class _CheckpointTensors:
         return read_sharded({"t": request}, self.path, partial=True)["t"][(0,) * axes]
 
     def __call__(self, name: str) -> torch.Tensor:
+        if name in self.zeros:
+            return torch.zeros(self.zeros[name])
         if name not in self._pending:
             key, index = self.names[name]
             self._pending = self.family.to_hf(self.m, key, index, self._read(key, index))
         return self._pending.pop(name)
 
 
+def _imported_config(side: Path, family: Family) -> dict:
+    """An imported model's config.json, kept in its checkpoint; a ConversionError where it no
+    longer reads as the import read it."""
+    path = side / "config.json"
+    try:
+        hf = json_text.loads(path.read_text())
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError among them
+        problem = f"is unreadable ({reason(err)})"
+    else:
+        if not isinstance(hf, dict):
+            problem = "is unreadable (not a JSON object)"
+        elif isinstance(named := with_architecture(hf).get("architectures"), list) and (
+            named and named[0] in family.hf_architectures
+        ):
+            return hf
+        else:
+            problem = f"names architectures={shown(named)}, not a {family.name} model"
+    raise ConversionError(
+        f"{path} {problem}: the checkpoint was changed since it was imported; import the model again"
+    )
+
+
 def _hf_side(
-    path: Path, common: dict, dtype: torch.dtype | None, tokenizer_path: Path | None, out: Path
-) -> torch.dtype:
-    """Write config.json and tokenizer files into ``out``; returns the weights' dtype."""
+    path: Path, common: dict, m: ModelConfig, dtype: torch.dtype | None, tokenizer: Path | None, out: Path
+) -> tuple[torch.dtype, dict]:
+    """Write config.json and tokenizer files into ``out``; returns the weights' dtype and the
+    config.json written."""
     side = path / SIDE_DIR
     if side.is_dir():
         for f in sorted(side.iterdir()):
             shutil.copy2(f, out / f.name)
-        try:
-            hf = json_text.loads((side / "config.json").read_text())
-        except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError among them
-            hf = err
-        if not isinstance(hf, dict):
-            why = reason(hf) if isinstance(hf, Exception) else "not a JSON object"
-            raise ConversionError(
-                f"{side / 'config.json'} is unreadable ({why}): the checkpoint was changed since it was "
-                "imported; import the model again"
-            )
-        return dtype or hf_dtype(hf) or torch.float32
-    model = from_dict(ModelConfig, common["config"]["model"])
+        hf = _imported_config(side, family_of(m))
+        return dtype or hf_dtype(hf) or torch.float32, hf
     dtype = dtype or torch.bfloat16
-    tokenizer = _export_tokenizer(common["config"]["data"]["tokenizer"], tokenizer_path, out)
-    if len(tokenizer) > model.vocab_size:
+    saved = _export_tokenizer(common["config"]["data"]["tokenizer"], tokenizer, out)
+    if len(saved) > m.vocab_size:
         raise ConversionError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {model.vocab_size}: "
+            f"the tokenizer has {len(saved)} tokens but the model's vocabulary is {m.vocab_size}: "
             "it is not the run's; pass --tokenizer with the one the run trained with"
         )
     # transformers' defaults (bos 1, eos 2) are not our tokenizer's: generation must stop at its eos.
-    special = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
-    config = family_of(model).hf_config(model, dtype, special)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _check_auto_tokenizer(out, tokenizer, config["architectures"][0])
-    return dtype
+    special = {f"{t}_token_id": getattr(saved, f"{t}_token_id") for t in ("bos", "eos", "pad")}
+    for config in family_of(m).hf_configs(m, dtype, special):
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        problem = _auto_tokenizer_problem(out, saved, config["architectures"][0])
+        if problem is None:
+            return dtype, config
+    raise ConversionError(problem)
 
 
 # Code, indentation, digits and letters outside ASCII: where tokenizers' pipelines differ.
 _PROBE = "def main(x):\n    return  x + 1  # héllo wörld 2024 日本"
 
 
-def _check_auto_tokenizer(out: Path, saved, architecture: str) -> None:
-    """transformers' AutoTokenizer, as every user of the export loads it, must read back the
-    tokenizer saved: for some model types it builds its own class whatever tokenizer_config.json
-    names (for every Qwen2 model, Qwen2's byte-level BPE), which splits text otherwise."""
+def _auto_tokenizer_problem(out: Path, saved, architecture: str) -> str | None:
+    """Why transformers' AutoTokenizer, as every user of the export loads it, does not read back
+    the tokenizer saved (None where it does): for some model types it builds its own class whatever
+    tokenizer_config.json names (for every Qwen2 model, Qwen2's byte-level BPE), which splits text
+    otherwise."""
     import transformers
 
     try:
@@ -298,7 +337,7 @@ def _check_auto_tokenizer(out: Path, saved, architecture: str) -> None:
     if loaded is not None:
         theirs, ours = (t(_PROBE, add_special_tokens=False)["input_ids"] for t in (loaded, saved))
         if len(loaded) == len(saved) and theirs == ours:
-            return
+            return None
         why = (
             f"loads the run's tokenizer as {type(loaded).__name__}, which splits text otherwise "
             f"({_PROBE[:12]!r} gives {theirs[:6]} instead of {ours[:6]})"
@@ -306,7 +345,7 @@ def _check_auto_tokenizer(out: Path, saved, architecture: str) -> None:
             else f"loads the run's tokenizer as {type(loaded).__name__}, with {len(loaded)} tokens "
             f"instead of {len(saved)}"
         )
-    raise ConversionError(
+    return (
         f"in a {architecture} directory, transformers' AutoTokenizer {why}: the model is not exported, as "
         "its users would tokenize text otherwise than it trained on; keep it as a megatron-train "
         "checkpoint (tools/generate.py samples from it)"
@@ -365,8 +404,8 @@ def export_hf(ckpt: Path, out: Path, dtype: torch.dtype | None = None, max_shard
     m = from_dict(ModelConfig, common["config"]["model"])
     family = family_of(m)
     with _staging(out) as tmp:
-        dtype = _hf_side(path, common, dtype, tokenizer, tmp)
-        tensors = _CheckpointTensors(path, family, m)
-        shards = write_weights(tmp, hf_shapes(family, m), dtype, tensors, max_shard_bytes)
+        dtype, hf = _hf_side(path, common, m, dtype, tokenizer, tmp)
+        tensors = _CheckpointTensors(path, family, m, family.hf_zero_tensors(hf, m))
+        shards = write_weights(tmp, tensors.shapes(), dtype, tensors, max_shard_bytes)
     log(f"exported {path} -> {out} ({shards} shard(s), {str(dtype).removeprefix('torch.')})")
     return Path(out)

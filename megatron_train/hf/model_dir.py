@@ -54,15 +54,20 @@ def read_hf_config(hf_dir: Path) -> dict:
         raise ConversionError(
             f"{path} is not a JSON object, so not a transformers config; download the model again"
         )
+    hf_dtype(hf)
+    return with_architecture(hf)
+
+
+def with_architecture(hf: dict) -> dict:
+    """``hf`` with the ``architectures`` that transformers' AutoModelForCausalLM reads it as: a
+    config saved on its own (``LlamaConfig(...).save_pretrained``) names none, and its class is
+    then picked by model_type."""
     if not hf.get("architectures") and isinstance(hf.get("model_type"), str):
-        # A config saved on its own (``LlamaConfig(...).save_pretrained``) names no architecture;
-        # transformers' AutoModelForCausalLM then picks the class by model_type, and so do we.
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(hf["model_type"])
         if architecture is not None:
             hf["architectures"] = [architecture]
-    hf_dtype(hf)
     return hf
 
 

@@ -11,11 +11,15 @@ from megatron_train.models.hf_config import (
     common_options,
     flag,
     integer,
+    no_zero_tensors,
     refuse,
     refuse_untranslatable_moe,
     sliding_window_caveat,
     with_head_dim,
 )
+
+# Its config.json refuses attention biases: every tensor it has is one of ours.
+zero_tensors = no_zero_tensors
 
 ARCHITECTURES = ("MixtralForCausalLM",)
 
@@ -40,7 +44,7 @@ def caveats(hf: dict) -> list[str]:
     return notes
 
 
-def hf_config(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int | None]) -> dict:
+def hf_configs(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int | None]) -> list[dict]:
     """A transformers MixtralConfig config.json."""
     import transformers
 
@@ -55,4 +59,4 @@ def hf_config(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int 
     )
     config.architectures = ["MixtralForCausalLM"]
     config.dtype = str(dtype).removeprefix("torch.")
-    return config.to_dict()
+    return [config.to_dict()]

@@ -15,11 +15,15 @@ from megatron_train.models.hf_config import (
     common_options,
     flag,
     integer,
+    no_zero_tensors,
     refuse,
     refuse_untranslatable_moe,
     sliding_window_caveat,
     with_head_dim,
 )
+
+# Its config.json refuses attention biases: every tensor it has is one of ours.
+zero_tensors = no_zero_tensors
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -52,7 +56,7 @@ def caveats(hf: dict) -> list[str]:
     return sliding_window_caveat(hf, used_by_default=False)
 
 
-def hf_config(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int | None]) -> dict:
+def hf_configs(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int | None]) -> list[dict]:
     """A transformers config.json: Qwen3 for a dense model, Qwen3-MoE for a mixture of experts."""
     import transformers
 
@@ -74,4 +78,4 @@ def hf_config(m: ModelConfig, dtype: torch.dtype, special_tokens: dict[str, int 
         )
         config.architectures = ["Qwen3MoeForCausalLM"]
     config.dtype = str(dtype).removeprefix("torch.")
-    return config.to_dict()
+    return [config.to_dict()]
