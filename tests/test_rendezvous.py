@@ -73,11 +73,21 @@ def _rank_at_the_meeting_point(launcher: subprocess.Popen, port: int, log: Path)
     while time.monotonic() < deadline:
         assert launcher.poll() is None, log.read_text()
         for rank in psutil.Process(launcher.pid).children():
-            if any(c.raddr and c.raddr.port == port for c in rank.net_connections()):
+            if _connected(rank, port):
                 time.sleep(1)  # into the wait for the other rank
-                return rank
+                # Still connected: a loaded machine may have caught a connection of the rank's
+                # start-up, before the one it holds while it waits.
+                if _connected(rank, port):
+                    return rank
         time.sleep(0.1)
     raise AssertionError(f"the rank never reached the meeting point:\n{log.read_text()}")
+
+
+def _connected(rank: psutil.Process, port: int) -> bool:
+    try:
+        return any(c.raddr and c.raddr.port == port for c in rank.net_connections())
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _end(*launchers: subprocess.Popen) -> None:
@@ -127,7 +137,10 @@ def test_the_first_nodes_launcher_killed_ends_the_other_nodes_rank_in_one_line(t
     try:
         _rank_at_the_meeting_point(ours, port, log)
         first.kill()
-        code = ours.wait(timeout=60)
+        try:
+            code = ours.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the rank did not end within 60 s:\n{log.read_text()}") from None
     finally:
         _end(ours, first)
     text = log.read_text()
