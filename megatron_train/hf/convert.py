@@ -238,14 +238,8 @@ class _CheckpointTensors:
         self._pending: dict[str, torch.Tensor] = {}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor to write, in order: a zero bias right after its layer's weight."""
-        shapes = {}
-        for name, shape in hf_shapes(self.family, self.m).items():
-            shapes[name] = shape
-            bias = name.removesuffix(".weight") + ".bias"
-            if bias in self.zeros:
-                shapes[bias] = self.zeros[bias]
-        return {**shapes, **self.zeros}
+        """Every tensor to write (transformers reads them by name, in any order)."""
+        return {**hf_shapes(self.family, self.m), **self.zeros}
 
     def _read(self, key: str, index: Index) -> torch.Tensor:
         if key not in self.saved:  # its config implies the tensor: a damaged .metadata left it out
