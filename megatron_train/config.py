@@ -90,7 +90,11 @@ MINUTES_SHORTEST = 0.01
 """The shortest timeout taken (0.6 s): torch keeps timeouts in whole milliseconds, so a shorter
 one became no time at all, and every collective failed as if its peers were missing."""
 Probability = Annotated[float, Range(0, 1, high_open=True)]
-FilePath = Annotated[str, Check(lambda text: bool(text.strip()), "a non-empty path")]
+# The operating system takes no NUL in a path; a YAML "\0" escape would reach os.path as one.
+FilePath = Annotated[
+    str,
+    Check(lambda text: bool(text.strip()) and "\0" not in text, "a non-empty path without NUL characters"),
+]
 
 
 @dataclass
@@ -614,13 +618,23 @@ def parse_blend(blend: list[Any], key: str = "data.blend") -> tuple[list[str], l
             f"weights as large as {max(weights):g} add up past the largest float",
             "give weights as the shares they are, such as [0.7, prefix_a, 0.3, prefix_b]",
         )
-    zero = [p for w, p in zip(weights, prefixes, strict=True) if w == 0] if weights else []
+    # megatron-core asserts that every weight, divided by their sum, is positive: one that small
+    # next to the others comes out 0 as well.
+    total = sum(weights) if weights else 0.0
+    zero = (
+        [(w, p) for w, p in zip(weights, prefixes, strict=True) if w == 0 or w / total == 0]
+        if weights
+        else []
+    )
     if zero:
-        # megatron-core's blend asserts that every weight is positive
+        (w, p), more = zero[0], f" (and {len(zero) - 1} more prefixes)" if len(zero) > 1 else ""
         raise ConfigError(
             key,
-            f"{zero[0]} has weight 0" + (f" (and {len(zero) - 1} more prefixes)" if len(zero) > 1 else ""),
-            "leave it out of the blend or give it a positive weight",
+            (f"{p} has weight 0" if w == 0 else f"{p}'s weight {w:g} is 0 as a share of their sum {total:g}")
+            + more,
+            "leave it out of the blend or give it a positive weight"
+            if w == 0
+            else "give weights as the shares they are, such as [0.7, prefix_a, 0.3, prefix_b]",
         )
     return prefixes, weights
 

@@ -297,7 +297,9 @@ def check_index_memory(
             elif weights is None:
                 wanted = samples
             else:
-                wanted = math.ceil(math.ceil(samples * weights[i] / sum(weights)) * (1 + _BLEND_SURPLUS))
+                # Normalised first, as megatron-core does: a weight near the largest float times
+                # the samples would overflow.
+                wanted = math.ceil(math.ceil(samples * (weights[i] / sum(weights))) * (1 + _BLEND_SURPLUS))
             passes = epochs(wanted, cfg.data.seq_length, size.tokens)
             documents = passes * size.sequences
             resident += documents * _DOCUMENT_INDEX_BYTES + wanted * _SAMPLE_INDEX_BYTES

@@ -518,6 +518,14 @@ CASES = [
         _write("c.yaml", b"\xff\xfe\x00model"),
     ),
     Case(
+        # A YAML escape puts a NUL into a path, which os.path refuses with a ValueError.
+        "config-path-with-a-nul-character",
+        "train",
+        _train(config="cases/config-path-with-a-nul-character/c.yaml"),
+        "'runs/a\\x00b' is not valid. Fix: set logging.run_dir to a non-empty path without NUL characters",
+        _write("c.yaml", 'logging:\n  run_dir: "runs/a\\0b"\n'),
+    ),
+    Case(
         "config-key-twice",
         "train",
         _train(config="cases/config-key-twice/c.yaml"),
@@ -842,6 +850,14 @@ CASES = [
         "train",
         _train("data.blend=[1, WS/corpus/stdlib, 0, WS/run]"),
         "run has weight 0",
+    ),
+    Case(
+        # megatron-core divides the weights by their sum and asserts each share is positive.
+        "blend-weight-vanishing",
+        "train",
+        _train("data.blend=[1e308, WS/corpus/stdlib, 1e-308, WS/cases/blend-weight-vanishing/data]"),
+        "data's weight 1e-308 is 0 as a share of their sum 1e+308",
+        _copy_data(lambda prefix: None),
     ),
     Case("blend-negative-weight", "train", _train("data.blend=[-1, WS/corpus/stdlib]"), "'data.blend'"),
     Case(

@@ -28,7 +28,7 @@ from megatron_train.data import IndexProgress, build_datasets, index_count
 from megatron_train.data_cache import drop_torn_indices
 from megatron_train.host_memory import physical_memory
 from megatron_train.inputs import check_resumed_index_memory, epochs, split_sizes
-from megatron_train.resolve import load_config
+from megatron_train.resolve import load_config, resolve
 from megatron_train.token_writer import TokenWriter
 from megatron_train.tokenizer import load_tokenizer
 from tests.conftest import ROOT, free_port, run_tool, torchrun_command, torchrun_env, write_config
@@ -102,6 +102,22 @@ def test_blend_proportions(tmp_path, corpus, tokenizer, single_process_group):
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [n, 0, 0], lambda: True, config).build()
     share_a = np.mean(train.dataset_index[:n] == 0)
     assert abs(share_a - 0.75) < 0.01, share_a
+
+
+def test_blend_weights_are_shares_at_any_scale(tmp_path, corpus):
+    """megatron-core divides the weights by their sum, and so do the checks before it: weights
+    near the largest float resolve as the shares they make."""
+    prefixes = []
+    for name in ("a", "b"):
+        for suffix in (".bin", ".idx"):
+            shutil.copy(str(corpus["prefix"]) + suffix, tmp_path / f"{name}{suffix}")
+        prefixes.append(tmp_path / name)
+    config = write_config(tmp_path / "c.yaml", corpus, tmp_path / "run")
+    for scale in (1, 1e308):
+        weights = [0.75 * scale, 0.25 * scale]
+        blend = f"data.blend=[{weights[0]}, {prefixes[0]}, {weights[1]}, {prefixes[1]}]"
+        assert resolve(config, [blend], world_size=1).data.blend == [weights[0], str(prefixes[0]), weights[1],
+                                                                       str(prefixes[1])]  # fmt: skip
 
 
 @pytest.mark.parametrize("split", ["90,7,3", "98,2,0", "1,1,1"])
