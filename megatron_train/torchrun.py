@@ -19,6 +19,7 @@ import resource
 import signal
 import socket
 import sys
+import tempfile
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import NoReturn
@@ -316,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     if local_world_size > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietExits())
+    # Without --log-dir, torchrun makes a folder in the temporary directory at every launch and
+    # leaves it there: folders for logs that --redirects, --tee or a failed rank's record fill.
+    made = None if args.log_dir else tempfile.mkdtemp(prefix="torchelastic_")
+    args.log_dir = args.log_dir or made
     try:
         run(args)
     except ChildFailedError as err:
@@ -326,7 +331,20 @@ def main(argv: list[str] | None = None) -> int:
     except SignalException as err:
         # The agent passed the signal on to the ranks, which saved and reported for themselves.
         return 128 + int(err.sigval)
+    finally:
+        if made:
+            _remove_empty_folders(made)
     return 0
+
+
+def _remove_empty_folders(top: str) -> None:
+    """``top`` and the folders below it that hold no file; a log or record in one keeps it and
+    the folders above it."""
+    for folder, _, _ in os.walk(top, topdown=False):
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

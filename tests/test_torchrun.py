@@ -254,3 +254,21 @@ def test_the_launcher_passes_sigusr1_on_to_the_ranks(monkeypatch):
     assert {"SIGUSR1", "SIGTERM", "SIGINT"} <= set(handled)
     monkeypatch.setenv("PET_SIGNALS_TO_HANDLE", "SIGTERM")
     assert parse_args(["--standalone", "-m", "megatron_train.train"]).signals_to_handle == "SIGTERM"
+
+
+def test_the_launcher_leaves_no_empty_log_folders_behind_and_keeps_logs(tmp_path):
+    """torchrun makes a log folder in the temporary directory at every launch: without
+    --log-dir, the launcher removes it unless it holds a log."""
+    script = tmp_path / "rank.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'])\n")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    command = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node", "2"]
+    for redirect in ([], ["--redirects", "3"]):
+        result = subprocess.run([*command, *redirect, str(script)], cwd=ROOT, env=env, capture_output=True,
+                                text=True)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    logs = sorted(path.read_text() for path in temp.glob("torchelastic_*/*/attempt_0/*/stdout.log"))
+    assert logs == ["rank 0\n", "rank 1\n"]
+    assert len(list(temp.glob("torchelastic_*"))) == 1, "the launch without redirects left its folder"
