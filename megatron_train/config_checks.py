@@ -93,7 +93,7 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
     if groups % p.tensor:
         raise ConfigError(
             "model.num_query_groups",
-            f"{groups} query groups are not divisible by parallel.tensor={p.tensor}",
+            f"is {groups}, which parallel.tensor={p.tensor} does not divide (a rank holds whole groups)",
             "choose a tensor-parallel size that divides the number of query groups",
         )
     # Tensor parallelism splits an MLP's width across its ranks (megatron asserts it, at build).
