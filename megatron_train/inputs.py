@@ -20,6 +20,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType
+from megatron.core.datasets.utils import normalize
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
 
 from megatron_train import data_cache
@@ -288,18 +289,19 @@ def check_index_memory(
         prefixes, weights = blend
         if samples and len(prefixes) > 1:
             resident += samples * _BLEND_INDEX_BYTES
+        # Shares first, as megatron-core's builder takes them: a weight near the largest float
+        # times the samples would overflow.
+        shares = None if weights is None else normalize(weights)
         for i, prefix in enumerate(prefixes):
             size = sizes[prefix][split_index]
             if size is None or samples == 0:
                 continue
             if weights is None and len(prefixes) > 1:
                 wanted = 0  # an unweighted blend makes one pass over each dataset
-            elif weights is None:
+            elif shares is None:
                 wanted = samples
             else:
-                # Normalised first, as megatron-core does: a weight near the largest float times
-                # the samples would overflow.
-                wanted = math.ceil(math.ceil(samples * (weights[i] / sum(weights))) * (1 + _BLEND_SURPLUS))
+                wanted = math.ceil(math.ceil(samples * shares[i]) * (1 + _BLEND_SURPLUS))
             passes = epochs(wanted, cfg.data.seq_length, size.tokens)
             documents = passes * size.sequences
             resident += documents * _DOCUMENT_INDEX_BYTES + wanted * _SAMPLE_INDEX_BYTES
