@@ -21,6 +21,8 @@ from megatron_train.errors import BAD_INPUT, Failure, denied, out_of_room, unusa
 from megatron_train.placement import launcher_rank, node_name
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+EXIT_STOPPED_EARLY = 3
+"""Training stopped before its last step on a signal or its time limit, after saving a checkpoint."""
 EXIT_INTERRUPTED, EXIT_READER_GONE = 130, 141
 """128 + SIGINT or SIGPIPE: the status a shell gives a command that signal ended."""
 

@@ -35,10 +35,9 @@ from megatron_train import cli
 from megatron_train.errors import ConfigError, unusable_path
 from megatron_train.host_memory import available_memory
 from megatron_train.outputs import check_output_dir
-from megatron_train.train import EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY
 
 # The exit codes a rank gives after reporting for itself.
-_REPORTED = (EXIT_BAD_CONFIG, EXIT_STOPPED_EARLY)
+_REPORTED = (cli.EXIT_BAD_INPUT, cli.EXIT_STOPPED_EARLY)
 
 
 class _QuietExits(logging.Filter):

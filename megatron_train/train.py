@@ -47,9 +47,9 @@ from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
 
 EXIT_OK = 0
-EXIT_TRAINING_FAILED = 1
-EXIT_BAD_CONFIG = 2
-EXIT_STOPPED_EARLY = 3
+EXIT_TRAINING_FAILED = cli.EXIT_FAILED
+EXIT_BAD_CONFIG = cli.EXIT_BAD_INPUT
+EXIT_STOPPED_EARLY = cli.EXIT_STOPPED_EARLY
 
 _PEER_GONE_GRACE_S = 2.0
 """How long a rank that lost another one waits before it exits."""
