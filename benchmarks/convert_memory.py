@@ -52,9 +52,12 @@ def synthetic_model(out: Path, layers: int, hidden: int, shard_bytes: int) -> in
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child would report the
 # parent's peak (this script's, after writing the synthetic model) rather than its own.
+# run_path, unlike ``python tools/x.py``, leaves the script's folder off the path, where each tool
+# finds use_checkout.
 _CHILD = """
-import runpy, sys
+import os, runpy, sys
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 finally:

@@ -101,6 +101,21 @@ def test_gc_benchmark_sees_the_loop_collect_only_at_the_paced_steps(tmp_path, co
     assert float(rows["automatic"][-1]) > 0 and float(rows["paced"][-1]) > 0
 
 
+def test_convert_memory_benchmark_measures_both_directions(tmp_path):
+    """Each conversion runs in a child of its own, started as the command line starts a tool."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/convert_memory.py", "--layers", "1", "--hidden", "128",
+         "--shard-gib", "0.01", "--workdir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for direction in ("import-hf", "export-hf"):
+        assert re.search(rf"^{direction}: [\d.]+ s, peak RSS [\d.]+ GiB", result.stdout, re.MULTILINE), (
+            result.stdout
+        )
+    assert not any(tmp_path.iterdir()), "its temporary folder is removed"
+
+
 def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_row_first(tmp_path):
     """A wheelhouse built --with-te turns the GPU plan into Transformer Engine's: a longer install
     (the extension compiles there), the TE row in a step of its own before ours, no compiled rows."""
