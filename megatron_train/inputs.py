@@ -296,7 +296,7 @@ def check_index_memory(
             size = sizes[prefix][split_index]
             if size is None or samples == 0:
                 continue
-            if weights is None and len(prefixes) > 1:
+            if shares is None and len(prefixes) > 1:
                 wanted = 0  # an unweighted blend makes one pass over each dataset
             elif shares is None:
                 wanted = samples

@@ -47,9 +47,6 @@ from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
 
 EXIT_OK = 0
-EXIT_TRAINING_FAILED = cli.EXIT_FAILED
-EXIT_BAD_CONFIG = cli.EXIT_BAD_INPUT
-EXIT_STOPPED_EARLY = cli.EXIT_STOPPED_EARLY
 
 _PEER_GONE_GRACE_S = 2.0
 """How long a rank that lost another one waits before it exits."""
@@ -256,7 +253,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
                 if decision.stop and step < cfg.train.steps:
                     why = watch.why(decision)
                     log.info(f"stopping after step {step} on {why}; run the same command again to resume")
-                    exit_code = EXIT_STOPPED_EARLY
+                    exit_code = cli.EXIT_STOPPED_EARLY
                     break
     except TrainingDiverged:
         # Every rank sees the same loss, so all get here and can finish the save in flight together.
@@ -318,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     goes_on = "training goes on without it, and metrics.jsonl in the run directory keeps the logged figures"
     with cli.log_stream(goes_on):
         code = _main(argv)
-    if code not in (EXIT_OK, EXIT_STOPPED_EARLY):  # those were reported before the final barrier
+    if code not in (EXIT_OK, cli.EXIT_STOPPED_EARLY):  # those were reported before the final barrier
         report_exit_status(code)
     return code
 
@@ -330,7 +327,7 @@ def _main(argv: list[str] | None) -> int:
         env = runtime.launch_env()
     except ConfigError as err:  # each process's own launcher variables, so each one says so
         cli.report(err)
-        return EXIT_BAD_CONFIG
+        return cli.EXIT_BAD_INPUT
     try:
         check_exit_status_file()
         cfg = resolve(args.config, args.overrides, env.world_size)
@@ -340,12 +337,12 @@ def _main(argv: list[str] | None) -> int:
         check_wandb(cfg)
     except BAD_INPUT as err:
         cli.report_once(err)
-        return EXIT_BAD_CONFIG
+        return cli.EXIT_BAD_INPUT
     try:
         rt = runtime.initialize(cfg, env)
     except ConfigError as err:  # the rendezvous variables, or its port (which rank 0 alone opens)
         cli.report_once(err)
-        return EXIT_BAD_CONFIG
+        return cli.EXIT_BAD_INPUT
     # A rank that a native crash kills (a communication library's segfault, say) prints where each
     # of its threads was, where it would otherwise leave only its exit signal and the peers' errors.
     # A SIGBUS is a read through a memory map past its file's end (a dataset cut or rewritten while
@@ -357,10 +354,10 @@ def _main(argv: list[str] | None) -> int:
         run_dir, exit_code = train(cfg, rt)
     except BAD_INPUT as err:  # a bad checkpoint or Hugging Face directory to start from
         cli.report_once(err)
-        return EXIT_BAD_CONFIG
+        return cli.EXIT_BAD_INPUT
     except TrainingDiverged as err:  # every rank meets it at the same step
         cli.report_once(err)
-        return EXIT_TRAINING_FAILED
+        return cli.EXIT_FAILED
     except KeyboardInterrupt:  # a second Ctrl-C (stopping.py) does not wait for the save
         if rt.is_main:
             cli.report(
@@ -373,7 +370,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"error on rank {rt.rank}: {err}", file=sys.stderr)
         elif rt.is_main:
             print(f"error: {err}", file=sys.stderr)
-        return EXIT_TRAINING_FAILED
+        return cli.EXIT_FAILED
     except BaseException as err:  # torch's CheckpointException is a BaseException
         if (line := failure_line(err)) is None:
             raise
@@ -382,7 +379,7 @@ def _main(argv: list[str] | None) -> int:
             # A launcher names the rank that exited first, to the second: let it be the one that
             # went away, whose line says why (its launcher ends this rank while it waits).
             time.sleep(_PEER_GONE_GRACE_S)
-        return EXIT_TRAINING_FAILED
+        return cli.EXIT_FAILED
     finally:
         runtime.shutdown()
     if rt.is_main:
