@@ -124,7 +124,8 @@ LAYOUTS = [
     (2, 1, 1, []),
     (1, 2, 1, []),
     (1, 1, 2, ["optimizer.distributed=false"]),
-    (2, 2, 2, []),
+    # TP x PP x DP at eight ranks once, with the overlaps on: tests/test_overlap.py matches them
+    # against the run without at DP2.
     (2, 2, 2, ["ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true", "ddp.bucket_size=20000"]),
     (2, 1, 1, ["parallel.sequence_parallel=true"]),
     (2, 2, 1, ["parallel.sequence_parallel=true"]),
