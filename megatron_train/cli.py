@@ -20,7 +20,7 @@ from typing import NoReturn, ParamSpec, TextIO
 from megatron_train.errors import BAD_INPUT, Failure, denied, out_of_room, unusable_path
 from megatron_train.placement import launcher_rank, node_name
 
-EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_STOPPED_EARLY = 3
 """Training stopped before its last step on a signal or its time limit, after saving a checkpoint."""
 EXIT_INTERRUPTED, EXIT_READER_GONE = 130, 141

@@ -46,8 +46,6 @@ from megatron_train.memory import check_fits_this_node
 from megatron_train.resolve import resolve
 from megatron_train.step import TrainingDiverged
 
-EXIT_OK = 0
-
 _PEER_GONE_GRACE_S = 2.0
 """How long a rank that lost another one waits before it exits."""
 
@@ -234,7 +232,7 @@ def _train(cfg: ExperimentConfig, rt: runtime.Runtime, log, watch, checkpointer)
     evaluator = Evaluator(cfg, stepper, valid_ds, log, watch)
     profiler = StepProfiler(cfg, rt.rank, rt.device, progress.iteration + 1, log)
     log.start_interval()
-    exit_code, batch = EXIT_OK, cfg.train.global_batch_size
+    exit_code, batch = cli.EXIT_OK, cfg.train.global_batch_size
     try:
         with profiler, GcPacing(cfg.train.gc_interval) as collector:
             for step in range(progress.iteration + 1, cfg.train.steps + 1):
@@ -315,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     goes_on = "training goes on without it, and metrics.jsonl in the run directory keeps the logged figures"
     with cli.log_stream(goes_on):
         code = _main(argv)
-    if code not in (EXIT_OK, cli.EXIT_STOPPED_EARLY):  # those were reported before the final barrier
+    if code not in (cli.EXIT_OK, cli.EXIT_STOPPED_EARLY):  # those were reported before the final barrier
         report_exit_status(code)
     return code
 
@@ -383,7 +381,7 @@ def _main(argv: list[str] | None) -> int:
     finally:
         runtime.shutdown()
     if rt.is_main:
-        state = "done" if exit_code == EXIT_OK else "stopped early (checkpoint saved)"
+        state = "done" if exit_code == cli.EXIT_OK else "stopped early (checkpoint saved)"
         print(f"{state}. run directory: {run_dir.resolve()}", flush=True)
     return exit_code
 

@@ -14,7 +14,7 @@ from megatron_train.resolve import load_config
 from tests.conftest import ROOT, run_tool, write_config
 
 LAYOUTS = [
-    # (ranks, overrides): one micro-batch of 2 x 512 tokens of the `small` preset, fp32 on CPU
+    # (ranks, overrides): micro-batches of 2 x 512 tokens of the `small` preset, fp32 on CPU
     (2, ["parallel.tensor=2", "parallel.sequence_parallel=true", "train.global_batch_size=2"]),
     # two micro-batches, as many as the first stage holds at once under 1F1B at PP2: more would
     # not raise the peak, only the time
