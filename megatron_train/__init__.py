@@ -95,12 +95,14 @@ def _interrupt_while_starting_is_one_line() -> None:
     process by SIGINT (130 in a shell)."""
     if not _OUR_COMMAND:
         return
+    from megatron_train.placement import launcher_rank
+
     others = sys.excepthook
 
     def hook(kind, value, traceback) -> None:
         if issubclass(kind, KeyboardInterrupt):
             # A terminal's Ctrl-C reaches every rank of the job: the first one says it.
-            if os.environ.get("RANK", "0") == "0":
+            if launcher_rank() == "0":
                 print(
                     "error: interrupted while starting; nothing was written. Fix: run it again",
                     file=sys.stderr,

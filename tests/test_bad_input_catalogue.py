@@ -1216,6 +1216,15 @@ CASES = [
         env={"WORLD_SIZE": "0"},
     ),  # fmt: skip
     Case("launch-rank-a-superscript", "train", _train(FRESH), "RANK='²', not a count", env={"RANK": "²"}),
+    # an empty RANK without WORLD_SIZE is one process, whose error waited 10 s for a rank 0 and
+    # then read "rank  on <host>: ..."
+    Case(
+        "launch-rank-set-empty-by-hand",
+        "train",
+        _train(FRESH, "train.iters=2"),
+        "error: config error at 'train.iters'",
+        env={"RANK": "", "WORLD_SIZE": None},
+    ),  # fmt: skip
     # torch's rendezvous met these with a traceback (a port) or retried for minutes (an address)
     Case(
         "launch-ranks-without-a-meeting-point",
