@@ -209,6 +209,13 @@ def _record_size_only(ckpt: Path, name: str) -> None:
     (ckpt / "complete.json").write_text(json.dumps(record))
 
 
+def _recorded_without_common(ckpt: Path) -> None:
+    (ckpt / "common.pt").unlink()
+    record = json.loads((ckpt / "complete.json").read_text())
+    del record["files"]["common.pt"]
+    (ckpt / "complete.json").write_text(json.dumps(record))
+
+
 def _common_changed_in_place(ckpt: Path) -> None:
     """common.pt without one field of the schedule's state, its recorded size updated but not its
     checksum: a file changed in place, as a flipped bit leaves it (the size check passes)."""
@@ -1410,6 +1417,15 @@ CASES = [
         _train("logging.run_dir=WS/cases/resume-only-a-damaged-checkpoint/run", "train.steps=6"),
         "iter_0000004 was complete when it was saved",
         _run_with_ckpt(lambda c: (c / "common.pt").unlink()),
+    ),
+    # recorded complete without common.pt (a folder removed while it was saved, then made anew by
+    # the writers): megatron's reader failed on its own error path, "'str' object has no attribute"
+    Case(
+        "resume-recorded-without-common",
+        "train",
+        _train("logging.run_dir=WS/cases/resume-recorded-without-common/run", "train.steps=6"),
+        "iter_0000004/common.pt is missing: the checkpoint is corrupt",
+        _run_with_ckpt(_recorded_without_common),
     ),
     # a same-size damaged .distcp passes the size check; its pickled objects were an
     # UnsafeCheckpointError traceback

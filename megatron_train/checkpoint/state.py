@@ -240,9 +240,10 @@ def _reading(what: Path) -> Iterator[None]:
     except Exception as err:
         if denied(err):
             raise
-        raise corrupt(
-            f"{what} is unreadable ({reason(err)}): the checkpoint is corrupt", what.parent
-        ) from err
+        # megatron's reader of a missing common.pt fails on its own error path ('str' object has
+        # no attribute 'iterdir').
+        problem = f"is unreadable ({reason(err)})" if what.exists() else "is missing"
+        raise corrupt(f"{what} {problem}: the checkpoint is corrupt", what.parent) from err
 
 
 def read_common(path: Path) -> dict:
