@@ -635,6 +635,65 @@ def test_a_writer_killed_mid_save_is_named_its_workers_end_with_it_and_the_last_
     files.verify(files.iteration_dir(save_dir, 4), checksums=True)
 
 
+# Run in the training process through sitecustomize: the first process forked once the save's
+# folder exists (its writer, or a worker of the writer) removes that folder, as an ``rm -rf`` by
+# hand or a scratch file system's clean-up would while the save writes into it. With {anew}, the
+# folder is made again under its name, as megatron's planning of the save makes it when the
+# removal lands before that: the rest of the files go there.
+REMOVE_THE_FOLDER_WHILE_IT_IS_WRITTEN = """
+import os
+import shutil
+
+
+def _remove_the_folder_once():
+    folder = {folder!r}
+    if os.path.isdir(folder) and not os.path.exists({marker!r}):
+        open({marker!r}, "w").close()
+        shutil.rmtree(folder)
+        if {anew}:
+            os.mkdir(folder)
+
+
+os.register_at_fork(after_in_child=_remove_the_folder_once)
+"""
+
+
+@pytest.mark.parametrize("anew", [False, True], ids=["gone", "made-anew"])
+def test_a_checkpoint_folder_removed_while_it_is_saved_fails_the_save_in_one_line(tmp_path, trained, anew):
+    """The writes into a folder that was gone failed with a bare "[Errno 2] No such file or
+    directory" as the cause; into one made anew, the run recorded what was written there, without
+    common.pt, as the complete step 6, exit 0, and the next start failed on it."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    save_dir = run / "checkpoints"
+    hook, marker = tmp_path / "hook", tmp_path / "removed"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        REMOVE_THE_FOLDER_WHILE_IT_IS_WRITTEN.format(
+            folder=str(files.iteration_dir(save_dir, 6)), marker=str(marker), anew=anew
+        )
+    )
+    cmd = [sys.executable, "-m", "megatron_train.train", "--config", str(trained["config"]),
+           f"logging.run_dir={run}", "train.steps=6"]  # fmt: skip
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert marker.exists(), result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    assert f"checkpoint step 6 could not be written to {files.iteration_dir(save_dir, 6)} (" in errors[0]
+    assert (
+        f"{files.iteration_dir(save_dir, 6)} removed or moved away while the save wrote into it" in errors[0]
+    )
+    assert "iter_0000004 is the newest complete checkpoint" in errors[0], errors
+    assert (save_dir / files.TRACKER).read_text().strip() == "4"
+    assert not (files.iteration_dir(save_dir, 6) / files.RECORD).exists()
+    resumed = single_rank(trained["config"], f"logging.run_dir={run}", "train.steps=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed_from = f"resumed from {files.iteration_dir(save_dir, 4)} at step 4 "
+    assert resumed_from in resumed.stdout, resumed.stdout[-3000:]
+    files.verify(files.iteration_dir(save_dir, 6), checksums=True)
+
+
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:

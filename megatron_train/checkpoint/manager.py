@@ -225,6 +225,11 @@ class Checkpointer:
         self._results: results_server.ResultsServer | None = None
         self._strategies: dict[str, object] = {}
         self._writing: tuple[int, Path] | None = None
+        # Rank 0's descriptor of the folder a save writes into. One removed (or moved) while the
+        # save fills it may be made anew under its name (megatron's planning of the save makes
+        # it), and the record would call the part written there complete. Held open, its inode
+        # cannot be reused by the new one.
+        self._folder_fd: int | None = None
 
     def start_writer(self) -> None:
         """Start the server megatron's writer reports results through, and point megatron at it;
@@ -266,6 +271,8 @@ class Checkpointer:
                 # A torn save, or (checkpoint.load=none) an older run's step that this run replaces.
                 shutil.rmtree(path)
             path.mkdir(parents=True)
+            self._release_folder()
+            self._folder_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         torch.distributed.barrier()
         self._writing = (iteration, path)
         common = metadata(self.cfg, Layout.current(moe=self.cfg.model.num_experts is not None))
@@ -320,7 +327,30 @@ class Checkpointer:
         if self._queue is None:
             self._join_recorder()
 
+    def _folder_replaced(self, path: Path) -> bool:
+        """Whether ``path`` no longer leads to the folder this save made there (rank 0 only)."""
+        if self._folder_fd is None:
+            return False
+        try:
+            now = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError:  # cannot be told (a parent made unreadable): taken as still there
+            return False
+        made = os.fstat(self._folder_fd)
+        return (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino)
+
+    def _release_folder(self) -> None:
+        if self._folder_fd is not None:
+            os.close(self._folder_fd)
+            self._folder_fd = None
+
     def _record(self, iteration: int, path: Path, start: float, extra: dict) -> None:
+        if self._folder_replaced(path):
+            written_after = "what was written after that went into a new folder of that name, left unrecorded"
+            self._recorder_error = self._save_failed(iteration, path, written_after)
+            return
+        self._release_folder()
         try:
             record = files.write_completion_record(path, iteration, self.options.checksums, extra)
             files.update_tracker(self.save_dir, iteration)
@@ -378,7 +408,9 @@ class Checkpointer:
             ) from None
 
     def _save_failed(self, iteration: int, path: Path, cause: str, alone: bool = False) -> SaveFailed:
-        if gone := run_lock.moved_away():
+        gone = run_lock.moved_away() or ([path] if self._folder_replaced(path) else [])
+        self._release_folder()
+        if gone:
             cause = (
                 f"{' and '.join(map(str, gone))} removed or moved away while the save wrote into it: {cause}"
             )
@@ -405,6 +437,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the last save, then stop the background writer."""
         self.wait()
+        self._release_folder()
         if self._queue is not None:
             self._queue.close()
 
