@@ -60,19 +60,21 @@ def moved_away() -> list[Path]:
     """The folders this process holds whose path no longer leads to them: removed, or moved
     elsewhere, while it ran (the outermost, where one held folder is inside another). A save
     there would make a new folder under the old name."""
-    gone = []
-    for folder, fd in _held.items():
-        try:
-            now = os.stat(folder)
-        except (FileNotFoundError, NotADirectoryError):
-            gone.append(folder)
-            continue
-        except OSError:  # cannot be told (a parent made unreadable): taken as still there
-            continue
-        held = os.fstat(fd)
-        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
-            gone.append(folder)
+    gone = [folder for folder, fd in _held.items() if replaced(folder, fd)]
     return [f for f in gone if not any(f != g and f.is_relative_to(g) for g in gone)]
+
+
+def replaced(folder: Path, fd: int) -> bool:
+    """Whether ``folder`` no longer leads to the folder open as ``fd``: removed, or moved
+    elsewhere (an open folder's inode is not reused by one made anew under its name)."""
+    try:
+        now = os.stat(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:  # cannot be told (a parent made unreadable): taken as still there
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
 
 
 def open_locked(path: Path, operation: int, flags: int = os.O_RDONLY | os.O_DIRECTORY) -> int | None:

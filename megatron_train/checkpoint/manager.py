@@ -227,8 +227,7 @@ class Checkpointer:
         self._writing: tuple[int, Path] | None = None
         # Rank 0's descriptor of the folder a save writes into. One removed (or moved) while the
         # save fills it may be made anew under its name (megatron's planning of the save makes
-        # it), and the record would call the part written there complete. Held open, its inode
-        # cannot be reused by the new one.
+        # it), and the record would call the part written there complete.
         self._folder_fd: int | None = None
 
     def start_writer(self) -> None:
@@ -329,16 +328,7 @@ class Checkpointer:
 
     def _folder_replaced(self, path: Path) -> bool:
         """Whether ``path`` no longer leads to the folder this save made there (rank 0 only)."""
-        if self._folder_fd is None:
-            return False
-        try:
-            now = os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return True
-        except OSError:  # cannot be told (a parent made unreadable): taken as still there
-            return False
-        made = os.fstat(self._folder_fd)
-        return (now.st_dev, now.st_ino) != (made.st_dev, made.st_ino)
+        return self._folder_fd is not None and run_lock.replaced(path, self._folder_fd)
 
     def _release_folder(self) -> None:
         if self._folder_fd is not None:
