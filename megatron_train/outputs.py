@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_train import run_lock
-from megatron_train.errors import NAME_MAX, ConfigError
+from megatron_train.errors import NAME_MAX, ConfigError, Failure
 
 TEMPORARY_NAME_EXTRA = 17
 """The most a temporary name adds to an output's name (``.<name>.partial-<pid>``)."""
@@ -50,11 +50,32 @@ def made_dir(path: Path) -> Iterator[Path]:
         probe = probe.parent
     Path(path).mkdir(parents=True, exist_ok=True)
     try:
-        yield Path(path)
+        with _kept_in_place(Path(path)):
+            yield Path(path)
     except BaseException:
         if created:
             shutil.rmtree(created[-1], ignore_errors=True)
         raise
+
+
+@contextmanager
+def _kept_in_place(folder: Path) -> Iterator[None]:
+    """The body's error, where ``folder`` was removed or moved away while the body wrote into it
+    (by hand, a scratch file system's clean-up), as the one line that says so: the error itself
+    names at best a file the folder held ("No such file or directory"), came with a traceback, or
+    (SentencePiece's) blamed an option."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield
+    except Exception as err:
+        if not run_lock.replaced(folder, fd):
+            raise
+        raise Failure(
+            f"{folder} was removed or moved away while the output was written into it, so the "
+            "output is not there. Fix: run it again, with the folder left in place"
+        ) from err
+    finally:
+        os.close(fd)
 
 
 @contextmanager
@@ -68,7 +89,7 @@ def dataset_files(prefix: Path, key: str) -> Iterator[tuple[Path, Path]]:
     done = prefix.with_name(prefix.name + ".idx")
     # A Ctrl-C or SIGTERM just after the claim made the temporary file, before the clean-up below
     # was in place, left it behind.
-    with _stops_held() as release, _claimed(tmp_bin, key) as claimed:
+    with _kept_in_place(prefix.parent), _stops_held() as release, _claimed(tmp_bin, key) as claimed:
         if not claimed:
             raise ConfigError(
                 key,

@@ -3,15 +3,19 @@ never replaced by another process's."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from megatron_train import outputs, run_lock
-from megatron_train.errors import ConfigError
-from megatron_train.outputs import dataset_files, discard_partial_dataset, publish
+from megatron_train.errors import ConfigError, Failure
+from megatron_train.outputs import dataset_files, discard_partial_dataset, made_dir, publish
+from megatron_train.token_writer import TokenWriter
+from tests.conftest import load_tool
 
 
 def test_a_dataset_is_written_by_one_process_at_a_time_and_never_over_a_finished_one(tmp_path):
@@ -58,6 +62,62 @@ def test_an_output_another_process_finished_meanwhile_is_kept(tmp_path):
     assert not (tmp_path / "a").exists() and (tmp_path / "b").read_text() == "the other run's"
     publish([(tmp_path / "a.tmp", tmp_path / "a")], "--out")
     assert (tmp_path / "a").read_text() == "this run's"
+
+
+def _take_away(folder: Path, how: str) -> None:
+    if how == "removed":
+        shutil.rmtree(folder)
+    else:
+        folder.rename(folder.with_name(folder.name + "-moved"))
+
+
+@pytest.mark.parametrize("how", ["removed", "moved"])
+def test_an_output_folder_taken_away_while_it_is_written_is_said_so(tmp_path, how):
+    """A dataset's folder removed (by hand, a scratch file system's clean-up) or moved while the
+    dataset was written: the next write failed with the traceback of its "No such file or
+    directory", which names a temporary file of the folder and not what happened to it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(Failure, match=f"^{out} was removed or moved away while the output was written"):
+        with dataset_files(out / "d", "--output-prefix") as (tmp_bin, tmp_idx):
+            tmp_bin.write_bytes(b"tokens")
+            _take_away(out, how)
+            tmp_idx.write_bytes(b"index")
+    # made_dir, which the other tools write their outputs under, likewise, whatever error the
+    # writer made of it: SentencePiece's blamed --vocab-size.
+    models = tmp_path / "models"
+    with pytest.raises(Failure, match=f"^{models} was removed or moved away"):
+        with made_dir(models):
+            _take_away(models, how)
+            raise ConfigError("--vocab-size", "SentencePiece refused to train: NOT_FOUND", "change it")
+    # A file of its own missing, in the folder still in place, is not taken for that.
+    with pytest.raises(FileNotFoundError):
+        with made_dir(tmp_path / "kept"):
+            (tmp_path / "kept" / "no-such-folder" / "f").write_bytes(b"")
+
+
+def test_the_tokenizing_tool_says_its_output_folder_was_removed_in_one_line(
+    tmp_path, corpus, monkeypatch, capfd
+):
+    out = tmp_path / "out"
+    write_index = TokenWriter.write_index
+
+    def removed_first(self, idx_path: Path) -> None:
+        shutil.rmtree(out)
+        write_index(self, idx_path)
+
+    monkeypatch.setattr(TokenWriter, "write_index", removed_first)
+    code = load_tool("tools/preprocess_data.py").main(
+        ["--input", str(corpus["jsonl"]), "--output-prefix", str(out / "d"),
+         "--tokenizer", str(corpus["tokenizer"]), "--workers", "1"]
+    )  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == 1, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith(("error", "Traceback"))] == [
+        f"error: {out} was removed or moved away while the output was written into it, so the output is "
+        "not there. Fix: run it again, with the folder left in place"
+    ], err[-3000:]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("taken_by", ["main-thread", "another-thread"])
