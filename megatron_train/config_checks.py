@@ -252,11 +252,17 @@ def _validate_profile(pr: ProfileConfig, steps: int, world_size: int) -> None:
                 "set profile.start_step to the first step to profile, or remove it",
             )
         return
-    if pr.num_steps > steps:
-        raise ConfigError(
-            "profile.num_steps", f"{pr.num_steps} exceeds train.steps={steps}", f"set it to at most {steps}"
-        )
     last = pr.start_step + pr.num_steps - 1
+    if pr.num_steps > steps:
+        # No start_step would do; the fix names the most that fits after the one given.
+        room = steps - pr.start_step + 1
+        raise ConfigError(
+            "profile.num_steps",
+            f"{pr.num_steps} exceeds train.steps={steps}",
+            f"set it to at most {room} (steps {pr.start_step}-{steps})"
+            if room > 0
+            else f"set it to at most {steps}, and profile.start_step within train.steps",
+        )
     if last > steps:
         raise ConfigError(
             "profile.start_step",

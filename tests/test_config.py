@@ -195,6 +195,18 @@ def test_bad_config_names_key_and_exits_2(good_config, monkeypatch, capsys, over
     assert f"'{key}'" in err and "Fix:" in err, err
 
 
+def test_a_profile_longer_than_the_run_is_told_what_fits_after_its_start(good_config, monkeypatch, capsys):
+    """The fix said "at most 6" (train.steps) for a profile starting at step 5, which the next
+    start refused again as running past the last step."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["--config", str(good_config), "profile.start_step=5", "profile.num_steps=100"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: config error at 'profile.num_steps': 100 exceeds train.steps=6. Fix: set it to at most 2 "
+        "(steps 5-6)"
+    )
+
+
 def test_missing_config_file(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
     assert "'--config'" in capsys.readouterr().err
