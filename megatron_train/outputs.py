@@ -64,7 +64,8 @@ def _kept_in_place(folder: Path) -> Iterator[None]:
     (by hand, a scratch file system's clean-up), as the one line that says so: the error itself
     names at best a file the folder held ("No such file or directory"), came with a traceback, or
     (SentencePiece's) blamed an option."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    # O_PATH: a folder this user may write into but not list (a drop box) opens too.
+    fd = os.open(folder, os.O_PATH | os.O_DIRECTORY)
     try:
         yield
     except Exception as err:

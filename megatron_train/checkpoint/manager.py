@@ -271,7 +271,7 @@ class Checkpointer:
                 shutil.rmtree(path)
             path.mkdir(parents=True)
             self._release_folder()
-            self._folder_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            self._folder_fd = os.open(path, os.O_PATH | os.O_DIRECTORY)
         torch.distributed.barrier()
         self._writing = (iteration, path)
         common = metadata(self.cfg, Layout.current(moe=self.cfg.model.num_experts is not None))
