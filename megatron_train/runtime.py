@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_train import cpu_compat, rendezvous
+from megatron_train import cpu_compat, placement, rendezvous
 from megatron_train.config import MINUTES_A_YEAR, MINUTES_SHORTEST, ExperimentConfig
 from megatron_train.errors import ConfigError
 
@@ -35,12 +35,8 @@ class LaunchEnv:
 def launch_env() -> LaunchEnv:
     """This process's rank from torchrun (RANK...) or srun (SLURM_PROCID...); else one process."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        # pretrain.sbatch sets --ntasks-per-node, so SLURM_NTASKS_PER_NODE is there.
-        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
-    else:
+    names = placement.launcher_variables()
+    if names is None:
         return LaunchEnv(0, 1, 0)
     defaults = (None, None, "0", "1")
     values = []
