@@ -252,7 +252,6 @@ def _validate_profile(pr: ProfileConfig, steps: int, world_size: int) -> None:
                 "set profile.start_step to the first step to profile, or remove it",
             )
         return
-    last = pr.start_step + pr.num_steps - 1
     if pr.num_steps > steps:
         # No start_step would do; the fix names the most that fits after the one given.
         room = steps - pr.start_step + 1
@@ -263,6 +262,7 @@ def _validate_profile(pr: ProfileConfig, steps: int, world_size: int) -> None:
             if room > 0
             else f"set it to at most {steps}, and profile.start_step within train.steps",
         )
+    last = pr.start_step + pr.num_steps - 1
     if last > steps:
         raise ConfigError(
             "profile.start_step",

@@ -69,7 +69,8 @@ def _kept_in_place(folder: Path) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if not run_lock.replaced(folder, fd):
+        # A Failure is said already: that of a watch inside this one (a dataset in a made_dir).
+        if isinstance(err, Failure) or not run_lock.replaced(folder, fd):
             raise
         raise Failure(
             f"{folder} was removed or moved away while the output was written into it, so the "
