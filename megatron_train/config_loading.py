@@ -390,7 +390,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 dotted = ".".join(keys[: depth + 1])
-                raise ConfigError(dotted, "is not a section", f"override a key inside {dotted}")
+                if dotted in _option_keys(ExperimentConfig):
+                    problem, fix = "is an option, not a section of options", f"write {dotted}=VALUE"
+                else:
+                    problem, fix = f"is {shown(child)}, not a section", "write it as key: value pairs"
+                raise ConfigError(dotted, problem, fix)
             node = child
         node[keys[-1]] = value
     return raw

@@ -722,7 +722,7 @@ CASES = [
         _train("model.recompute_modules=[mlp]", FRESH),
         "no effect with model.recompute=none",
     ),
-    Case("override-into-scalar", "train", _train("train.steps.x=1"), "'train.steps'"),
+    Case("override-into-scalar", "train", _train("train.steps.x=1"), "write train.steps=VALUE"),
     Case("override-unknown-section", "train", _train("trian.steps=1"), "did you mean"),
     Case(
         "override-neither-union-option",

@@ -241,6 +241,23 @@ def test_unknown_key_names_the_option_it_is_elsewhere(good_config, override, hin
     assert info.value.key == override.partition("=")[0] and hint in info.value.fix, info.value
 
 
+@pytest.mark.parametrize(
+    ("yaml_text", "override", "key", "fix"),
+    [
+        ("train:\n  steps: 5\n", "train.steps.x=1", "train.steps", "write train.steps=VALUE"),
+        ("model: 5\n", "model.preset=tiny", "model", "write it as key: value pairs"),
+    ],
+)
+def test_an_override_into_a_value_that_is_no_section_says_how_to_write_it(
+    tmp_path, yaml_text, override, key, fix
+):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_config(config, [override])
+    assert (info.value.key, info.value.fix) == (key, fix)
+
+
 def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
     result = run_tool(
         "-m", "megatron_train.train", "--config", str(good_config), "parallel.tensor=3", check=False
