@@ -100,15 +100,6 @@ class Runtime:
         """Rank 0 prints and writes shared files."""
         return self.rank == 0
 
-    @property
-    def is_last_stage_logger(self) -> bool:
-        """The rank that sees the loss: last pipeline stage, first TP and DP rank."""
-        return (
-            parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_data_parallel_rank() == 0
-        )
-
 
 def compute_dtype(cfg: ExperimentConfig) -> torch.dtype:
     """bf16 on GPU and fp32 on CPU unless the config says otherwise."""
