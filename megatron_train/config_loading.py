@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from megatron_train.config import Check, ExperimentConfig, FilePath, Range
-from megatron_train.errors import ConfigError, shown
+from megatron_train.errors import ConfigError, missing, shown
 
 _INT64_MAX = 2**63 - 1
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -343,7 +343,7 @@ def read_yaml(path: str | Path) -> dict:
     """A YAML config file as plain data."""
     path = Path(path)
     if path.is_dir() or not path.exists():
-        problem = "is a directory" if path.is_dir() else "does not exist"
+        problem = "is a directory" if path.is_dir() else missing(path)
         raise ConfigError("--config", f"{str(path)!r} {problem}", "pass an existing YAML file")
     if not path.is_file():
         # Every rank reads the config: a pipe (bash's <(...)) would give it to one rank only.

@@ -237,6 +237,18 @@ def unusable_path(err: BaseException) -> str | None:
     )
 
 
+def missing(path: os.PathLike | str) -> str:
+    """ "does not exist", saying where a relative ``path`` was looked for: a job started from
+    another folder (``sbatch --chdir``, a script that changes directory) reads its config's
+    relative paths from there, and the path alone looks right."""
+    if Path(path).is_absolute():
+        return "does not exist"
+    try:
+        return f"does not exist under {os.getcwd()}, the current directory"
+    except OSError:  # the current directory itself is gone
+        return "does not exist"
+
+
 def not_a_file(path: os.PathLike) -> str | None:
     """Why ``path`` cannot be read as a file, as the end of a sentence that starts with the path
     ("does not exist", "is a directory", ...); None where it is a regular file. Path's tests, unlike
@@ -248,7 +260,7 @@ def not_a_file(path: os.PathLike) -> str | None:
         return f"is a symbolic link to {os.readlink(path)!r}, which leads nowhere"
     if path.is_dir():
         return "is a directory"
-    return "is not a regular file (a device, pipe or socket)" if path.exists() else "does not exist"
+    return "is not a regular file (a device, pipe or socket)" if path.exists() else missing(path)
 
 
 def _clipped(text: str, keep: int = 40) -> str:

@@ -34,7 +34,7 @@ from megatron_train.config import (
     run_folders,
     split_blends,
 )
-from megatron_train.errors import ConfigError, not_a_file
+from megatron_train.errors import ConfigError, missing, not_a_file
 from megatron_train.host_memory import physical_memory
 from megatron_train.outputs import check_output_file, check_own_dir, check_run_dir
 from megatron_train.text_encoding import tokenizer_loading
@@ -357,7 +357,7 @@ def check_inputs(cfg: ExperimentConfig) -> int:
     if c.init_from and not Path(c.init_from).exists():
         raise ConfigError(
             "checkpoint.init_from",
-            f"{c.init_from!r} does not exist",
+            f"{c.init_from!r} {missing(c.init_from)}",
             "point it at a checkpoint or a Hugging Face model directory",
         )
     if c.init_from and not Path(c.init_from).is_dir():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sentencepiece
 
-from megatron_train.errors import ConfigError, check_readable, denied, reason
+from megatron_train.errors import ConfigError, check_readable, denied, missing, reason
 from megatron_train.sentencepiece_cuts import bpe_cutter
 
 Encode = Callable[[list[str]], list[list[int]]]
@@ -94,7 +94,7 @@ def tokenizer_loading(kind: str, path: str, key: str, type_key: str) -> Iterator
     if not Path(path).exists():
         raise ConfigError(
             key,
-            f"{path!r} does not exist",
+            f"{path!r} {missing(path)}",
             "train one with tools/train_tokenizer.py or point to an existing tokenizer",
         )
     if not (Path(path).is_file() or Path(path).is_dir()):

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from megatron_train import json_text
-from megatron_train.errors import ConfigError, denied, reason
+from megatron_train.errors import ConfigError, denied, missing, reason
 
 SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".parquet", ".txt")
 _PARQUET_ROWS_PER_BATCH = 1024
@@ -89,7 +89,7 @@ def input_files(specs: list[str]) -> list[Path]:
                 "write the corpus to a file first and name that file",
             )
         else:
-            raise ConfigError("--input", f"{spec} does not exist", "point it at a corpus file or directory")
+            raise ConfigError("--input", f"{spec} {missing(spec)}", "point it at a corpus file or directory")
         found.update(dict.fromkeys(files))
     return list(found)
 

@@ -625,7 +625,7 @@ CASES = [
         "generate-tokenizer-relative-to-where-training-ran",
         "generate",
         _args("--ckpt", "WS/cases/generate-tokenizer-relative-to-where-training-ran/ckpt", "--prompt", "def"),
-        "'runs/demo/data/spm.model' (data.tokenizer.path in the checkpoint's config) does not exist from",
+        "'runs/demo/data/spm.model' (data.tokenizer.path in the checkpoint's config) does not exist under",
         _copy_ckpt(_trained_elsewhere),
     ),
     Case(
@@ -638,7 +638,7 @@ CASES = [
             "--out",
             "WS/cases/export-hf-tokenizer-relative-to-where-training-ran/hf",
         ),
-        "'runs/demo/data/spm.model' (data.tokenizer.path in its config) does not exist; pass --tokenizer",
+        "'runs/demo/data/spm.model' (data.tokenizer.path in its config) does not exist under ",
         _copy_ckpt(_trained_elsewhere),
     ),
     # it named a tensor the model has no place for, as if the architecture were another one

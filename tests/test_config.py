@@ -258,6 +258,25 @@ def test_an_override_into_a_value_that_is_no_section_says_how_to_write_it(
     assert (info.value.key, info.value.fix) == (key, fix)
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "missing"),
+    [
+        ("data.blend=[data/nothing]", "data.blend", "data/nothing.bin"),
+        ("data.tokenizer.path=tok/nothing.model", "data.tokenizer.path", "'tok/nothing.model'"),
+        ("checkpoint.init_from=ckpt/nothing", "checkpoint.init_from", "'ckpt/nothing'"),
+    ],
+)
+def test_a_relative_path_that_is_missing_names_the_directory_it_was_looked_for_in(
+    good_config, tmp_path, monkeypatch, override, key, missing
+):
+    """A job started from another folder reads the config's relative paths from there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        resolve(good_config, [override], world_size=1)
+    assert info.value.key == key
+    assert info.value.problem == f"{missing} does not exist under {tmp_path}, the current directory"
+
+
 def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
     result = run_tool(
         "-m", "megatron_train.train", "--config", str(good_config), "parallel.tensor=3", check=False

@@ -13,7 +13,6 @@ Exit codes: 0 done, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -112,6 +111,7 @@ def _note(text: str) -> None:
 def generate(args: argparse.Namespace) -> None:
     from megatron_train import inference, runtime
     from megatron_train.checkpoint import files
+    from megatron_train.errors import missing
     from megatron_train.inputs import checked_tokenizer
 
     if args.top_p is None and (args.temperature is not None or args.seed is not None):
@@ -132,8 +132,8 @@ def generate(args: argparse.Namespace) -> None:
             # A relative path in the run's config is relative to where training ran.
             raise ConfigError(
                 "--tokenizer",
-                f"the run's tokenizer {tok_path!r} (data.tokenizer.path in the checkpoint's config) does "
-                f"not exist from {os.getcwd()}",
+                f"the run's tokenizer {tok_path!r} (data.tokenizer.path in the checkpoint's config) "
+                f"{missing(tok_path)}",
                 "pass --tokenizer with where it is now, or run from where training ran",
             )
         tokenizer = checked_tokenizer(kind, tok_path, key="--tokenizer", type_key="--tokenizer-type")

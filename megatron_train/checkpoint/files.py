@@ -24,7 +24,15 @@ import yaml
 
 from megatron_train import json_text, run_lock
 from megatron_train.config import SAVE_DIR_IN_RUN
-from megatron_train.errors import CheckpointError, ConfigError, CorruptCheckpoint, denied, not_a_file, shown
+from megatron_train.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpoint,
+    denied,
+    missing,
+    not_a_file,
+    shown,
+)
 from megatron_train.hf.model_dir import is_hf_model_dir, missing_weights
 
 RECORD = "complete.json"
@@ -247,7 +255,7 @@ def locate(path: Path) -> Path:
     directory saving where it does by default), complete or not."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"{str(path)!r} does not exist: {_WANTED}")
+        raise CheckpointError(f"{str(path)!r} {missing(path)}: {_WANTED}")
     if iteration_of(path) is not None or (path / RECORD).exists():
         return path
     dirs = checkpoint_dirs(path) or checkpoint_dirs(path / SAVE_DIR_IN_RUN)

@@ -33,7 +33,7 @@ from megatron_train.checkpoint.state import (
 from megatron_train.checkpoint.streaming_save import save_weights
 from megatron_train.config import ModelConfig
 from megatron_train.config_loading import from_dict
-from megatron_train.errors import ConversionError, reason, shown
+from megatron_train.errors import ConversionError, missing, reason, shown
 from megatron_train.hf.model_dir import hf_dtype, read_hf_config, with_architecture
 from megatron_train.hf.plan import export_plan, hf_shapes
 from megatron_train.hf.safetensors_io import DTYPES, INDEX, HFWeights, write_weights
@@ -352,11 +352,11 @@ def _export_tokenizer(tokenizer: dict, path: Path | None, out: Path):
     import transformers
 
     if path is not None and not path.exists():
-        raise ConversionError(f"--tokenizer {str(path)!r} does not exist; pass the run's tokenizer")
+        raise ConversionError(f"--tokenizer {str(path)!r} {missing(path)}; pass the run's tokenizer")
     path = path or Path(tokenizer["path"])
     if not path.exists():
         raise ConversionError(
-            f"the run's tokenizer {str(path)!r} (data.tokenizer.path in its config) does not exist; "
+            f"the run's tokenizer {str(path)!r} (data.tokenizer.path in its config) {missing(path)}; "
             "pass --tokenizer with where it is now"
         )
     if not (path.is_file() or path.is_dir()):
