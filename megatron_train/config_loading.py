@@ -282,6 +282,20 @@ def _from_dict(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+_HASH = "\ue000"
+"""A private-use character, which no value holds, standing in for ``#`` while an override is parsed."""
+
+
+def _literal_hashes(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace(_HASH, "#")
+    if isinstance(value, list):
+        return [_literal_hashes(item) for item in value]
+    if isinstance(value, dict):
+        return {_literal_hashes(k): _literal_hashes(v) for k, v in value.items()}
+    return value
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``a.b=value`` into its key path and YAML-parsed value."""
     key, _, raw = text.partition("=")
@@ -289,7 +303,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text or not all(part.strip() for part in key.split(".")):
         raise ConfigError(text, "override is not of the form key.sub=value", "write key=value")
     try:
-        value = yaml.load(raw, Loader=_ConfigLoader) if raw != "" else None  # noqa: S506 - a SafeLoader
+        # The shell takes comments off a command line: a "#" that reaches an override was quoted
+        # and is part of the value, where YAML would drop the rest as a comment
+        # (logging.run_dir='runs/a #2' trained in runs/a, another run's folder).
+        value = yaml.load(raw.replace("#", _HASH), Loader=_ConfigLoader) if raw != "" else None  # noqa: S506
+        value = _literal_hashes(value)
     except yaml.YAMLError:
         value = raw
     except RecursionError:

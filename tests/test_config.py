@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_train.config import WEIGHT_SHAPING_KEYS, ConfigError, ModelConfig, to_dict
-from megatron_train.config_loading import read_yaml
+from megatron_train.config_loading import apply_overrides, read_yaml
 from megatron_train.resolve import at_layout, load_config, resolve, validate
 from megatron_train.train import main
 from tests.conftest import ROOT, run_tool, write_config
@@ -275,6 +275,32 @@ def test_a_relative_path_that_is_missing_names_the_directory_it_was_looked_for_i
         resolve(good_config, [override], world_size=1)
     assert info.value.key == key
     assert info.value.problem == f"{missing} does not exist under {tmp_path}, the current directory"
+
+
+@pytest.mark.parametrize(
+    ("override", "value"),
+    [
+        ("logging.run_dir=runs/a #2", "runs/a #2"),
+        ("model.preset=#tiny", "#tiny"),
+        ("data.blend=[runs/a #1, runs/b]", ["runs/a #1", "runs/b"]),
+        ('logging.run_dir="runs/a #2"', "runs/a #2"),
+    ],
+)
+def test_a_hash_in_an_override_is_part_of_its_value_not_a_comment(good_config, override, value):
+    """The shell has taken any comment off the command line: YAML's reading of ' #' as one made
+    logging.run_dir='runs/a #2' train in runs/a, another run's folder."""
+    raw = read_yaml(good_config)
+    key = override.partition("=")[0].split(".")
+    node = apply_overrides(raw, [override])
+    for part in key:
+        node = node[part]
+    assert node == value
+
+
+def test_a_hash_after_a_number_is_refused_not_dropped(good_config):
+    with pytest.raises(ConfigError) as info:
+        load_config(good_config, ["optimizer.lr=1e-3 # the usual"])
+    assert info.value.key == "optimizer.lr" and "'1e-3 # the usual'" in info.value.problem
 
 
 def test_cli_exit_code_is_2_before_any_heavy_work(good_config):
