@@ -138,6 +138,13 @@ def validate_options(cfg: ExperimentConfig, world_size: int) -> None:
             "count that is a multiple of it",
         )
     _validate_recompute(m, m.num_layers // (p.pipeline * vpp))
+    if not m.rope_scaling and "rope_scaling_factor" in _changed_fields(m):
+        # A factor alone reads as a long-context model that trains with unscaled RoPE.
+        raise ConfigError(
+            "model.rope_scaling_factor",
+            "has no effect with model.rope_scaling=false",
+            "set model.rope_scaling=true to scale RoPE as Llama 3.1 does, or remove it",
+        )
     if cfg.ddp.overlap_param_gather and not cfg.optimizer.distributed:
         raise ConfigError(
             "ddp.overlap_param_gather",

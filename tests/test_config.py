@@ -172,6 +172,8 @@ BAD_INPUTS = [
         "model.moe_shared_expert_ffn_hidden_size",
     ),
     (["data.reset_position_ids=true"], 1, "data.reset_position_ids"),
+    # a long-context model that would train with unscaled RoPE
+    (["model.rope_scaling_factor=4"], 1, "model.rope_scaling_factor"),
     (["data.document_mask=maybe"], 1, "data.document_mask"),
     # the test config trains 6 steps
     (["profile.num_steps=3"], 1, "profile.num_steps"),
