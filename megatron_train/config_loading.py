@@ -335,6 +335,10 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        digits = node.value.replace("_", "")
+        if re.fullmatch(r"[-+]?0[0-9]+", digits):
+            # A leading zero is YAML 1.1's octal (train.seed=0042 was 34); YAML 1.2 reads decimal.
+            return int(digits, 10)
         try:
             return super().construct_yaml_int(node)
         except ValueError:
@@ -350,6 +354,8 @@ _ConfigLoader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+# 08 and 09, which YAML 1.1 reads as text for not being octal, are numbers like 07.
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?0[0-9_]+$"), list("-+0"))
 _ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),

@@ -299,6 +299,17 @@ def test_a_hash_in_an_override_is_part_of_its_value_not_a_comment(good_config, o
     assert node == value
 
 
+@pytest.mark.parametrize(
+    ("text", "value"), [("0042", 42), ("010", 10), ("08", 8), ("-007", -7), ("0x10", 16)]
+)
+def test_a_number_with_leading_zeros_is_decimal_in_a_file_and_an_override(tmp_path, text, value):
+    """YAML 1.1 reads 0042 as octal (34) and 08 as text; YAML 1.2, and anyone writing a seed, decimal."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"train:\n  seed: {text}\n")
+    assert read_yaml(config)["train"]["seed"] == value
+    assert apply_overrides({}, [f"train.seed={text}"])["train"]["seed"] == value
+
+
 def test_a_hash_after_a_number_is_refused_not_dropped(good_config):
     with pytest.raises(ConfigError) as info:
         load_config(good_config, ["optimizer.lr=1e-3 # the usual"])
