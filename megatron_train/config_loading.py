@@ -234,7 +234,7 @@ def _unknown_key_hint(cls: type, err: _UnknownKey) -> str:
     elsewhere = [key for key in keys if key.rsplit(".", 1)[-1] == name]
     if len(elsewhere) == 1:
         return f"did you mean '{elsewhere[0]}'?"
-    close = difflib.get_close_matches(err.name, err.names, n=1)
+    close = difflib.get_close_matches(err.name.lower(), err.names, n=1)
     return f"did you mean '{err.prefix}{close[0]}'?" if close else err.fix
 
 

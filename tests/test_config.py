@@ -235,6 +235,7 @@ def test_unknown_key_suggests_the_close_one(good_config):
         ("train-iters=10", "Megatron-LM's --train-iters is 'train.steps' here"),
         ("bf16=true", "Megatron-LM's --bf16 is 'train.precision' here"),
         ("data.tokenizer.kind=x", "valid keys: ['type', 'path']"),
+        ("optimizer.LR=1e-3", "did you mean 'optimizer.lr'?"),
     ],
 )
 def test_unknown_key_names_the_option_it_is_elsewhere(good_config, override, hint):
