@@ -12,7 +12,7 @@ command line (the offline install; benchmarks/throughput.py eager, with every op
 and four micro-batches (torchtitan beside it at that micro-batch), that compiled (torchtitan
 compiled beside it) and again with gradient accumulation fusion, the eager best profiled, the
 compiled defaults, with the rotary embedding compiled, with our compiled loss;
-benchmarks/gpu_smoke.py; benchmarks/cross_entropy_memory.py); it gets at
+benchmarks/gpu_smoke.py; benchmarks/masked_attention_grad.py; benchmarks/cross_entropy_memory.py); it gets at
 most its own cap and what is left of the budget, and a step that fails or runs out of
 time does not stop the next. Every step's output goes to ``OUT/steps.log`` under a header line of
 its own, the profiler's table and trace to ``OUT/profile/``, and a table of what ran, how long and
@@ -128,6 +128,9 @@ def plan(cpu: bool, out: Path, wheelhouse: Path = ROOT / "wheelhouse") -> list[S
         runs = Path(tempfile.gettempdir(), f"gpu_smoke-{os.getpid()}-{time.time_ns()}")
         smoke = [py, "benchmarks/gpu_smoke.py", "--out", str(runs), "--checks", "demo,profile"]
         steps.append(Step("smoke", 200, smoke))
+    # pytorch#196678: the document-mask path's gradients where cuDNN's go NaN, cuDNN forced beside.
+    masked = [py, "benchmarks/masked_attention_grad.py", *(["--device", "cpu"] if cpu else [])]
+    steps.append(Step("masked_attention_grad", 60, masked))
     ce = ["--seq", "64", "--vocab", "512", "--repeats", "1"] if cpu else []
     steps.append(Step("cross_entropy_memory", 150, [py, "benchmarks/cross_entropy_memory.py", *ce]))
     return steps

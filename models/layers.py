@@ -28,6 +28,17 @@ _SDPA_BACKENDS = {
 }
 
 
+def masked_attention_backends(key_length: int, on_cuda: bool) -> list[SDPBackend] | None:
+    """The SDPA kernels PyTorch may choose from for attention with a mask tensor (a document
+    mask), where ``auto`` is configured; None leaves the choice to PyTorch. pytorch#196678 (a
+    regression of torch 2.11, the lent GPU image's): cuDNN's backward with a mask tensor
+    returns NaN in the query gradient at key lengths of 128k + 64 once a row's logsumexp is below
+    ln(FLT_MAX); the memory-efficient kernel, which PyTorch chose for masks before cuDNN, does not."""
+    if on_cuda and key_length % 128 == 64:
+        return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return None
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """PyTorch RMSNorm that works with sequence parallelism.
 
@@ -124,7 +135,10 @@ class SDPAttention(MegatronModule):
             if dropout_p > 0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
-        kernel = sdpa_kernel(self.backends) if self.backends else contextlib.nullcontext()
+        backends = self.backends
+        if backends is None and attention_mask is not None:
+            backends = masked_attention_backends(k.size(2), k.is_cuda)
+        kernel = sdpa_kernel(backends) if backends else contextlib.nullcontext()
         with rng, kernel:
             if attention_mask is not None:
                 out = F.scaled_dot_product_attention(q, k, v, ~attention_mask, dropout_p, **kwargs)

@@ -132,7 +132,7 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     # megatron-core imports here but TE's torch extension does not, so TE's install is planned.
     assert names == [
         "install", "cudnn_libraries", "throughput_te", "throughput_eager", "all_options", "te_all_options",
-        "rope_compiled", "fused_loss", "smoke", "cross_entropy_memory",
+        "rope_compiled", "fused_loss", "smoke", "masked_attention_grad", "cross_entropy_memory",
     ]  # fmt: skip
     assert steps[0].cap_s > 240
     assert frameworks(steps[2]) == "ours-te" and frameworks(steps[3]) == "ours,hf"
@@ -142,7 +142,8 @@ def test_gpu_session_plan_with_a_te_wheelhouse_builds_te_first_and_measures_its_
     names = [step.name for step in steps]
     assert names == [
         "throughput_eager", "all_options", "compiled_all_options", "compiled_wgrad_fused", "profile",
-        "throughput_compiled", "rope_compiled", "fused_loss", "smoke", "cross_entropy_memory",
+        "throughput_compiled", "rope_compiled", "fused_loss", "smoke", "masked_attention_grad",
+        "cross_entropy_memory",
     ]  # fmt: skip
     assert frameworks(steps[0]) == "ours,hf,torchtitan"
     assert "model.attention_backend=cudnn" in steps[1].argv and steps[1].argv.count("--set") == 3
@@ -225,8 +226,9 @@ def test_gpu_session_dry_run_first_call_every_option_eager_and_compiled(tmp_path
 def test_gpu_session_dry_run_second_call_profile_and_cross_entropy_and_a_spent_budget(tmp_path):
     """The profiler's table and trace, the cross-entropy benchmark's rows (one per mode); a spent
     budget skips every step."""
-    steps = ["profile", "cross_entropy_memory"]
+    steps = ["profile", "masked_attention_grad", "cross_entropy_memory"]
     outputs = _dry_run(tmp_path / "dry", steps)
+    assert re.search(r"^ +704 auto +0 of 45,056$", outputs["masked_attention_grad"], re.M)
     table = (tmp_path / "dry" / "profile" / "ours.txt").read_text()
     assert re.match(r"per traced step: [\d.]+ ms wall\n", table) and "aten::mm" in table
     shares = [int(share) for share in re.findall(r"^[A-Za-z(), ]+ +[\d.]+ +(\d+)%$", table, re.M)]

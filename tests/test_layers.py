@@ -69,3 +69,22 @@ def test_an_attention_kernel_is_refused_on_this_machine_exactly_where_pytorch_ha
     except ConfigError:
         refused = True
     assert refused == (not _sdpa_runs(backend, dropout))
+
+
+@pytest.mark.parametrize(
+    ("key_length", "on_cuda", "avoids_cudnn"),
+    [(704, True, True), (64, True, True), (4160, True, True), (768, True, False), (4096, True, False),
+     (700, True, False), (704, False, False)],
+)  # fmt: skip
+def test_a_mask_at_the_key_lengths_of_pytorch_196678_keeps_cudnn_out(key_length, on_cuda, avoids_cudnn):
+    """cuDNN's backward with a mask tensor returns NaN query gradients at key lengths of 128k + 64
+    (torch 2.11+); elsewhere, and on the CPU, which has no cuDNN kernel, PyTorch chooses."""
+    from torch.nn.attention import SDPBackend
+
+    from megatron_train.models.layers import masked_attention_backends
+
+    backends = masked_attention_backends(key_length, on_cuda)
+    if avoids_cudnn:
+        assert backends == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    else:
+        assert backends is None
