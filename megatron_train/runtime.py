@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_train import cpu_compat, placement, rendezvous
-from megatron_train.config import MINUTES_A_YEAR, MINUTES_SHORTEST, ExperimentConfig
+from megatron_train.config import MINUTES_A_YEAR, MINUTES_SHORTEST, ExperimentConfig, to_dict
 from megatron_train.errors import ConfigError
 
 
@@ -120,6 +120,7 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
         device, backend = torch.device("cpu"), "gloo"
     timeout = collective_timeout()
     rendezvous.join(env.rank, env.world_size, backend, timeout)
+    check_same_config(cfg, env.rank, env.world_size)
     p = cfg.parallel
     parallel_state.initialize_model_parallel(
         # The groups training's collectives run in: megatron's own default waits 30 minutes.
@@ -133,6 +134,40 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     )
     seed_everything(cfg.train.seed)
     return Runtime(env.rank, env.world_size, device, compute_dtype(cfg))
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+    return out
+
+
+def check_same_config(cfg: ExperimentConfig, rank: int, world_size: int) -> None:
+    """Every rank resolved rank 0's config, before any group is built from it: ranks started from
+    other files or overrides (a node's own copy of the config, a command line typed differently
+    on one node) build other layouts or models, and the first collective between them aborted
+    the process in gloo (or waits out the timeout in NCCL)."""
+    if world_size == 1:
+        return
+    mine = _leaves(to_dict(cfg))
+    theirs = [mine if rank == 0 else None]
+    dist.broadcast_object_list(theirs, src=0)
+    reference = theirs[0]
+    differ = sorted(key for key in reference.keys() | mine.keys() if reference.get(key) != mine.get(key))
+    found = [None] * world_size
+    dist.all_gather_object(found, (differ, {key: mine.get(key) for key in differ[:1]}, placement.node_name()))
+    other = next((r for r, (keys, _, _) in enumerate(found) if keys), None)
+    if other is None:
+        return
+    keys, values, node = found[other]
+    more = f" (and {len(keys) - 1} other key{'s' * (len(keys) > 2)})" if len(keys) > 1 else ""
+    raise ConfigError(
+        keys[0],
+        f"is {values[keys[0]]!r} on rank {other} ({node}) but {reference.get(keys[0])!r} on rank 0{more}: "
+        "the ranks were started with different configs",
+        "start every rank with the same config file and overrides",
+    )
 
 
 def collective_timeout() -> datetime.timedelta:

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_train import placement
 from megatron_train.errors import out_of_shared_memory
 from tests.conftest import ROOT, records, single_rank, torchrun, torchrun_env, train_losses, write_config
 
@@ -533,6 +534,7 @@ def test_a_dataset_cut_while_the_run_reads_it_ends_the_run_in_the_launchers_line
 
 FULL_SHM_QUEUE = """
 import multiprocessing
+from megatron_train import placement
 from megatron_train.errors import out_of_shared_memory
 try:
     multiprocessing.Queue()
@@ -619,6 +621,29 @@ def test_a_bad_config_on_two_ranks_is_reported_once_whichever_rank_ends_first(tm
     else:
         assert lines[0].startswith("error: rank 1 on "), lines
         assert "'data.blend': /rank1/data.bin does not exist" in lines[0], lines
+
+
+def test_ranks_started_with_different_configs_stop_before_any_group_in_one_line(tmp_path, corpus):
+    """Rank 1 alone given another override, as a node's launcher given another command line:
+    the ranks built different models, and gloo aborted rank 0 with a C++ error and a stack dump
+    at the first gradient reduction."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\nif os.environ.get('RANK') == '1':\n    sys.argv.append('model.num_layers=2')\n"
+    )
+    config = write_config(tmp_path / "cfg.yaml", corpus, tmp_path / "run")
+    cmd = [sys.executable, "-m", "megatron_train.torchrun", "--standalone", "--nproc-per-node=2",
+           "-m", "megatron_train.train", "--config", str(config)]  # fmt: skip
+    env = {**torchrun_env(), "PYTHONPATH": f"{hook}{os.pathsep}{ROOT}"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"error: config error at 'model.num_layers': is 2 on rank 1 ({placement.node_name()}) but 4 on "
+        "rank 0: the ranks were started with different configs. Fix: start every rank with the same config "
+        "file and overrides"
+    ], result.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
 
 
 # Through sitecustomize, before any thread starts: the two ranks say they run on two nodes, and
