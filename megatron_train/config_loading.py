@@ -377,7 +377,15 @@ def read_yaml(path: str | Path) -> dict:
             "write the config to a file and pass its path",
         )
     try:
-        raw = yaml.load(path.read_text(), Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
+        # Bytes: PyYAML then finds a UTF-16 file's encoding (Windows PowerShell's ">" writes it)
+        # from its byte-order mark.
+        raw = yaml.load(path.read_bytes(), Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader
+    except yaml.reader.ReaderError as err:
+        raise ConfigError(
+            "--config",
+            f"{path} cannot be read as text ({err.reason}, byte {err.position})",
+            "save it as UTF-8 text",
+        ) from err
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -522,7 +522,7 @@ CASES = [
         "train",
         _train(config="cases/config-binary/c.yaml"),
         "cannot be read",
-        _write("c.yaml", b"\xff\xfe\x00model"),
+        _write("c.yaml", b"\x89PNG\r\n\x1a\n\x00model"),  # an image named by mistake
     ),
     Case(
         # A YAML escape puts a NUL into a path, which os.path refuses with a ValueError.

@@ -311,6 +311,14 @@ def test_a_number_with_leading_zeros_is_decimal_in_a_file_and_an_override(tmp_pa
     assert apply_overrides({}, [f"train.seed={text}"])["train"]["seed"] == value
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-8-sig"])
+def test_a_config_saved_as_utf16_or_with_a_byte_order_mark_reads_as_utf8(tmp_path, encoding):
+    """Windows PowerShell's ">" writes UTF-16 with a byte-order mark, which was refused as unreadable."""
+    config = tmp_path / "c.yaml"
+    config.write_text("train:\n  steps: 7\nlogging:\n  run_dir: runs/é\n", encoding=encoding)
+    assert read_yaml(config) == {"train": {"steps": 7}, "logging": {"run_dir": "runs/é"}}
+
+
 def test_a_hash_after_a_number_is_refused_not_dropped(good_config):
     with pytest.raises(ConfigError) as info:
         load_config(good_config, ["optimizer.lr=1e-3 # the usual"])
