@@ -7,6 +7,7 @@ written."""
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import struct
@@ -76,6 +77,14 @@ def check_indexed_dataset(prefix: str, key: str = "data.blend", entries: bool = 
             else "name a dataset by its prefix: PREFIX for PREFIX.bin and PREFIX.idx"
         )
         raise ConfigError(key, f"{prefix} is a folder, not a dataset prefix", fix)
+    if glob.has_magic(prefix) and not bin_.exists():
+        # tools/preprocess_data.py --input takes patterns; a blend names each dataset itself.
+        found = sorted(str(Path(p).with_suffix("")) for p in glob.glob(prefix + ".idx"))
+        listed = f"[{', '.join(found[:3])}{', ...' if len(found) > 3 else ''}]"
+        fix = f"list the datasets by prefix: {listed if found else 'PREFIX for PREFIX.bin and PREFIX.idx'}"
+        if found and key.startswith("data."):
+            fix += ", or join them with tools/merge_datasets.py"
+        raise ConfigError(key, f"{prefix} is a pattern, which is not expanded here", fix)
     if Path(prefix).is_file() and not bin_.exists():
         raise ConfigError(
             key,

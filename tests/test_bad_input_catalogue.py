@@ -883,6 +883,8 @@ CASES = [
     Case("blend-missing-idx", "train", _train("data.blend=[WS/corpus/nothing]"), "does not exist"),
     Case("blend-names-the-bin", "train", _train("data.blend=[WS/corpus/stdlib.bin]"), "drop the suffix"),
     Case("blend-names-a-folder", "train", _train("data.blend=[WS/corpus]"), "e.g. "),
+    # it said the pattern's .bin did not exist and to preprocess the data again
+    Case("blend-a-pattern", "train", _train("data.blend=[WS/corpus/std*]"), "/corpus/stdlib], or join them"),
     Case(
         "blend-names-the-text",
         "train",
@@ -928,6 +930,12 @@ CASES = [
         "merge",
         _args("--input", "WS/corpus/stdlib.idx", "--output-prefix", "WS/x"),
         "prefix",
+    ),
+    Case(
+        "merge-input-a-pattern",
+        "merge",
+        _args("--input", "WS/corpus/*", "--output-prefix", "WS/x"),
+        "is a pattern, which is not expanded here. Fix: list the datasets by prefix: [",
     ),
     Case(
         "bin-a-device",
