@@ -12,8 +12,8 @@ command line (the offline install; benchmarks/throughput.py eager, with every op
 and four micro-batches (torchtitan beside it at that micro-batch), that compiled (torchtitan
 compiled beside it) and again with gradient accumulation fusion, the eager best profiled, the
 compiled defaults, with the rotary embedding compiled, with our compiled loss;
-benchmarks/gpu_smoke.py; benchmarks/masked_attention_grad.py; benchmarks/cross_entropy_memory.py); it gets at
-most its own cap and what is left of the budget, and a step that fails or runs out of
+benchmarks/gpu_smoke.py; benchmarks/masked_attention_grad.py; benchmarks/cross_entropy_memory.py);
+it gets at most its own cap and what is left of the budget, and a step that fails or runs out of
 time does not stop the next. Every step's output goes to ``OUT/steps.log`` under a header line of
 its own, the profiler's table and trace to ``OUT/profile/``, and a table of what ran, how long and
 how it ended to ``OUT/summary.txt``, so what a cut-short session measured still comes back (in few

@@ -541,6 +541,17 @@ def to_dict(cfg: ExperimentConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def dotted_leaves(tree: dict, prefix: str = "") -> dict:
+    """A nested config dict as ``{"section.key": value}``."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(dotted_leaves(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
 SAVE_DIR_IN_RUN = "checkpoints"
 """The save dir's name inside logging.run_dir when checkpoint.save_dir is not set."""
 

@@ -238,8 +238,8 @@ def unusable_path(err: BaseException) -> str | None:
 
 
 def missing(path: os.PathLike | str) -> str:
-    """ "does not exist", saying where a relative ``path`` was looked for: a job started from
-    another folder (``sbatch --chdir``, a script that changes directory) reads its config's
+    """The words "does not exist", with where a relative ``path`` was looked for: a job started
+    from another folder (``sbatch --chdir``, a script that changes directory) reads its config's
     relative paths from there, and the path alone looks right."""
     if Path(path).is_absolute():
         return "does not exist"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_train import cpu_compat, placement, rendezvous
-from megatron_train.config import MINUTES_A_YEAR, MINUTES_SHORTEST, ExperimentConfig, to_dict
+from megatron_train.config import MINUTES_A_YEAR, MINUTES_SHORTEST, ExperimentConfig, dotted_leaves, to_dict
 from megatron_train.errors import ConfigError
 
 
@@ -136,13 +136,6 @@ def initialize(cfg: ExperimentConfig, env: LaunchEnv) -> Runtime:
     return Runtime(env.rank, env.world_size, device, compute_dtype(cfg))
 
 
-def _leaves(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        out.update(_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-    return out
-
-
 def check_same_config(cfg: ExperimentConfig, rank: int, world_size: int) -> None:
     """Every rank resolved rank 0's config, before any group is built from it: ranks started from
     other files or overrides (a node's own copy of the config, a command line typed differently
@@ -150,7 +143,7 @@ def check_same_config(cfg: ExperimentConfig, rank: int, world_size: int) -> None
     the process in gloo (or waits out the timeout in NCCL)."""
     if world_size == 1:
         return
-    mine = _leaves(to_dict(cfg))
+    mine = dotted_leaves(to_dict(cfg))
     theirs = [mine if rank == 0 else None]
     dist.broadcast_object_list(theirs, src=0)
     reference = theirs[0]

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_train import __version__, megatron_compat
 from megatron_train.checkpoint.files import CheckpointError, changed_in_place, corrupt
 from megatron_train.checkpoint.safe_load import safe_unpickling
-from megatron_train.config import WEIGHT_SHAPING_KEYS, ExperimentConfig, to_dict
+from megatron_train.config import WEIGHT_SHAPING_KEYS, ExperimentConfig, dotted_leaves, to_dict
 from megatron_train.errors import ConfigError, CorruptCheckpoint, denied, reason
 
 # What checkpoints written before the format was recorded hold.
@@ -125,18 +125,8 @@ def config_changes(saved: dict, now: dict, only: Collection[str] | None = None) 
     sets otherwise than the checkpoint's config, among ``only`` where given; the layout is reported
     with the resharding, and logging and checkpoint settings are where a run writes, not how it
     trains."""
-
-    def leaves(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                out.update(leaves(value, f"{prefix}{key}."))
-            else:
-                out[prefix + key] = value
-        return out
-
     sections = ("model", "data", "optimizer", "ddp", "train")
-    old, new = (leaves({k: v for k, v in tree.items() if k in sections}) for tree in (saved, now))
+    old, new = (dotted_leaves({k: v for k, v in tree.items() if k in sections}) for tree in (saved, now))
     return [
         f"{key}: {old[key]} -> {value}"
         for key, value in new.items()
