@@ -308,7 +308,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         # (logging.run_dir='runs/a #2' trained in runs/a, another run's folder).
         value = yaml.load(raw.replace("#", _HASH), Loader=_ConfigLoader) if raw != "" else None  # noqa: S506
         value = _literal_hashes(value)
-    except yaml.YAMLError:
+    except yaml.YAMLError as err:
+        if raw.lstrip()[:1] in ("'", '"', "[", "{"):
+            # Taken as text, a quote left open named a folder '"runs'.
+            problem = getattr(err, "problem", None) or getattr(err, "context", None) or "not valid YAML"
+            raise ConfigError(
+                key.strip(),
+                f"{shown(raw)} starts a quoted or bracketed value that is not valid YAML ({problem})",
+                "close the quote or bracket, with nothing after it",
+            ) from None
         value = raw
     except RecursionError:
         raise ConfigError(key.strip(), "the value nests lists or mappings too deeply", "flatten it") from None

@@ -319,6 +319,20 @@ def test_a_config_saved_as_utf16_or_with_a_byte_order_mark_reads_as_utf8(tmp_pat
     assert read_yaml(config) == {"train": {"steps": 7}, "logging": {"run_dir": "runs/é"}}
 
 
+@pytest.mark.parametrize(
+    "override", ['logging.run_dir="runs/x', "data.blend=[runs/a, runs/b", 'logging.run_dir="a" b']
+)
+def test_an_override_with_a_quote_or_bracket_left_open_is_refused_not_taken_as_text(good_config, override):
+    """Taken as text, logging.run_dir="runs/x (its closing quote lost) made a folder named '"runs'."""
+    with pytest.raises(ConfigError) as info:
+        load_config(good_config, [override])
+    assert info.value.key == override.partition("=")[0]
+    assert (
+        "is not valid YAML" in info.value.problem
+        and info.value.fix == "close the quote or bracket, with nothing after it"
+    )
+
+
 def test_a_hash_after_a_number_is_refused_not_dropped(good_config):
     with pytest.raises(ConfigError) as info:
         load_config(good_config, ["optimizer.lr=1e-3 # the usual"])
