@@ -71,7 +71,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(key, f"expected a list, got {shown(value)}", "write a YAML list")
+            fix = "write a YAML list"
+            if isinstance(value, str | int | float) and not isinstance(value, bool):
+                fix += f": {key}=[{value}] as an override"
+            raise ConfigError(key, f"expected a list, got {shown(value)}", fix)
         (item,) = typing.get_args(tp)
         return [_coerce(x, item, key) for x in value]
     if dataclasses.is_dataclass(tp):

@@ -333,6 +333,12 @@ def test_an_override_with_a_quote_or_bracket_left_open_is_refused_not_taken_as_t
     )
 
 
+def test_one_dataset_where_a_list_is_wanted_is_shown_as_the_list(good_config):
+    with pytest.raises(ConfigError) as info:
+        load_config(good_config, ["data.blend=data/web"])
+    assert info.value.fix == "write a YAML list: data.blend=[data/web] as an override"
+
+
 def test_a_hash_after_a_number_is_refused_not_dropped(good_config):
     with pytest.raises(ConfigError) as info:
         load_config(good_config, ["optimizer.lr=1e-3 # the usual"])
