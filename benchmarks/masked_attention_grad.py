@@ -1,7 +1,8 @@
 """Whether the local spec's attention with a document mask gives finite gradients where
 pytorch#196678 makes cuDNN's give NaN (torch 2.11+ on H100/H200): a mask tensor, a key length
 of 128k + 64, and rows whose logsumexp is below ln(FLT_MAX), built as that issue's reproducer
-builds them, through ``SDPAttention`` (megatron_train.models.layers) in bf16.
+builds them, through ``SDPAttention`` (megatron_train.models.layers) in bf16, with two query
+heads sharing one key and value head (grouped-query attention, as Llama's).
 
     python benchmarks/masked_attention_grad.py [--device cpu]
 
@@ -23,6 +24,7 @@ from megatron_train import cli  # noqa: E402  (and the CPU redirect megatron's l
 from megatron_train.errors import ConfigError, Failure  # noqa: E402
 
 HEAD_DIM = 64
+HEADS, GROUPS = 2, 1
 LENGTHS = (704, 768)
 """One length the bug needs (704 = 5 x 128 + 64) and one it spares."""
 
@@ -36,15 +38,16 @@ def non_finite_query_grads(length: int, backend: str, device: str) -> tuple[int,
     from megatron_train.models.layers import SDPAttention
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=HEAD_DIM, num_attention_heads=1, attention_dropout=0.0,
-        use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16, cuda_graph_scope=[],
+        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        attention_dropout=0.0, use_cpu_initialization=True, bf16=True, params_dtype=torch.bfloat16,
+        cuda_graph_scope=[],
     )  # fmt: skip
     attention = SDPAttention(config, 1, AttnMaskType.causal, "self", backend=backend)
     torch.manual_seed(0)
     on = dict(device=device, dtype=torch.bfloat16)
     # megatron's layout, [seq, batch, heads, dim]; every logit about -120, as in the issue.
-    q, k = (torch.randn(length, 1, 1, HEAD_DIM, **on) * 0.1 for _ in range(2))
-    v = torch.randn(length, 1, 1, HEAD_DIM, **on)
+    q, k = (torch.randn(length, 1, heads, HEAD_DIM, **on) * 0.1 for heads in (HEADS, GROUPS))
+    v = torch.randn(length, 1, GROUPS, HEAD_DIM, **on)
     q[..., 0], k[..., 0] = 1.0, -120 * math.sqrt(HEAD_DIM)
     for t in (q, k, v):
         t.requires_grad_()

@@ -106,6 +106,7 @@ class SDPAttention(MegatronModule):
         # From the config, not the tensors' head counts: where torch.compile treats sizes as symbolic
         # (dynamic shapes), a comparison of them is a symbolic bool, which SDPA refuses.
         self.grouped = config.num_query_groups != config.num_attention_heads
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.context = config.context_parallel_size
         if self.context > 1:
             self.context_group = parallel_state.get_context_parallel_group()
@@ -138,6 +139,12 @@ class SDPAttention(MegatronModule):
         backends = self.backends
         if backends is None and attention_mask is not None:
             backends = masked_attention_backends(k.size(2), k.is_cuda)
+            if backends and self.grouped:
+                # The memory-efficient kernel takes no enable_gqa beside a mask (PyTorch would fall
+                # back to the math kernel, which holds seq x seq scores a head): the key and value
+                # heads are repeated for their query heads instead, as transformers' repeat_kv does.
+                k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
+                kwargs["enable_gqa"] = False
         kernel = sdpa_kernel(backends) if backends else contextlib.nullcontext()
         with rng, kernel:
             if attention_mask is not None:

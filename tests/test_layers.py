@@ -88,3 +88,47 @@ def test_a_mask_at_the_key_lengths_of_pytorch_196678_keeps_cudnn_out(key_length,
         assert backends == [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     else:
         assert backends is None
+
+
+GROUPED_MASKED_ATTENTION = textwrap.dedent(
+    """
+    import torch
+    from torch.nn.attention import SDPBackend
+    import megatron_train  # the CPU redirect
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron_train.models import layers
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, use_cpu_initialization=True, cuda_graph_scope=[])
+    attention = layers.SDPAttention(config, 1, AttnMaskType.causal, "self")
+    torch.manual_seed(0)
+    # [seq, batch, heads, dim], two documents of 3 and 5 tokens; True may not attend.
+    inputs = [torch.randn(8, 2, heads, 8, requires_grad=True) for heads in (4, 2, 2)]
+    mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
+    mask[3:, :3] = True
+    mask = mask[None, None]
+
+    def run():
+        out = attention(*inputs, mask)
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        return out, grads
+
+    chosen, chosen_grads = run()
+    # As on CUDA at a key length of 128k + 64 (this CPU has no memory-efficient kernel: math runs).
+    layers.masked_attention_backends = lambda n, cuda: [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    kept_out, kept_grads = run()
+    torch.testing.assert_close(kept_out, chosen)
+    for a, b in zip(kept_grads, chosen_grads):
+        torch.testing.assert_close(a, b)
+    print("OK")
+    """
+)
+
+
+def test_grouped_attention_kept_off_cudnn_repeats_its_key_heads_and_gives_the_same_result():
+    """Where pytorch#196678 keeps cuDNN out, grouped-query attention repeats its key and value
+    heads (the memory-efficient kernel takes no enable_gqa beside a mask): outputs and the
+    gradients of queries, keys and values are those of the grouped call."""
+    result = run_tool("-c", GROUPED_MASKED_ATTENTION, check=False)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
