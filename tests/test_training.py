@@ -640,8 +640,8 @@ def test_ranks_started_with_different_configs_stop_before_any_group_in_one_line(
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
         f"error: config error at 'model.num_layers': is 2 on rank 1 ({placement.node_name()}) but 4 on "
-        "rank 0: the ranks were started with different configs. Fix: start every rank with the same config "
-        "file and overrides"
+        "rank 0 of 2: the ranks were started with different configs. Fix: start every rank with the same "
+        "config file and overrides"
     ], result.stderr[-3000:]
     assert not (tmp_path / "run").exists()
 
