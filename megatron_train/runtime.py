@@ -149,18 +149,18 @@ def check_same_config(cfg: ExperimentConfig, rank: int, world_size: int) -> None
     reference = theirs[0]
     differ = sorted(key for key in reference.keys() | mine.keys() if reference.get(key) != mine.get(key))
     found = [None] * world_size
-    dist.all_gather_object(found, (differ, {key: mine.get(key) for key in differ[:1]}, placement.node_name()))
+    dist.all_gather_object(found, (differ, mine.get(differ[0]) if differ else None, placement.node_name()))
     others = [r for r, (keys, _, _) in enumerate(found) if keys]
     if not others:
         return
-    keys, values, node = found[others[0]]
+    keys, value, node = found[others[0]]
     more = f" (and {len(keys) - 1} other key{'s' * (len(keys) > 2)})" if len(keys) > 1 else ""
     # Where every other rank differs, rank 0 is the odd one: the count says so.
     also = len(others) - 1
     ranks = f"rank {others[0]} ({node})" + (f" and {also} other rank{'s' * (also > 1)}" if also else "")
     raise ConfigError(
         keys[0],
-        f"is {values[keys[0]]!r} on {ranks} but {reference.get(keys[0])!r} on rank 0 of {world_size}{more}: "
+        f"is {value!r} on {ranks} but {reference.get(keys[0])!r} on rank 0 of {world_size}{more}: "
         "the ranks were started with different configs",
         "start every rank with the same config file and overrides",
     )

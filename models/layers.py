@@ -105,7 +105,6 @@ class SDPAttention(MegatronModule):
         self.backends = None if backend == "auto" else [_SDPA_BACKENDS[backend]]
         # From the config, not the tensors' head counts: where torch.compile treats sizes as symbolic
         # (dynamic shapes), a comparison of them is a symbolic bool, which SDPA refuses.
-        self.grouped = config.num_query_groups != config.num_attention_heads
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.context = config.context_parallel_size
         if self.context > 1:
@@ -129,7 +128,7 @@ class SDPAttention(MegatronModule):
         # megatron passes [seq, batch, heads, dim]; SDPA wants [batch, heads, seq, dim].
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        kwargs = dict(scale=self.softmax_scale, enable_gqa=self.grouped)
+        kwargs = dict(scale=self.softmax_scale, enable_gqa=self.heads_per_group > 1)
         # Heads differ per TP rank, so their dropout masks come from the model-parallel RNG.
         rng = (
             tensor_parallel.get_cuda_rng_tracker().fork()
@@ -139,7 +138,7 @@ class SDPAttention(MegatronModule):
         backends = self.backends
         if backends is None and attention_mask is not None:
             backends = masked_attention_backends(k.size(2), k.is_cuda)
-            if backends and self.grouped:
+            if backends and self.heads_per_group > 1:
                 # The memory-efficient kernel takes no enable_gqa beside a mask (PyTorch would fall
                 # back to the math kernel, which holds seq x seq scores a head): the key and value
                 # heads are repeated for their query heads instead, as transformers' repeat_kv does.
