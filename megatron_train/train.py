@@ -338,7 +338,9 @@ def _main(argv: list[str] | None) -> int:
         return cli.EXIT_BAD_INPUT
     try:
         rt = runtime.initialize(cfg, env)
-    except ConfigError as err:  # the rendezvous variables, or its port (which rank 0 alone opens)
+    except ConfigError as err:  # the rendezvous, or ranks that resolved different configs
+        # A process group left up at exit (the ranks met) aborted the process in its destructor.
+        runtime.shutdown()
         cli.report_once(err)
         return cli.EXIT_BAD_INPUT
     # A rank that a native crash kills (a communication library's segfault, say) prints where each
